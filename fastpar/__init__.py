@@ -1,0 +1,54 @@
+"""fastpar: single-launch data-parallel kernels for PyTorch.
+
+Multi-tensor flatten/unflatten, fused reduce-add, cuDNN-layout RNN packing, and
+drop-ins for ``torch.nn.parallel``'s replicate and DataParallel, on Triton (CUDA) and
+Numba (CPU) kernels.
+"""
+from __future__ import annotations
+
+import contextlib
+
+from ._dispatch import backend_for, use_backend
+from ._flatten import flatten, unflatten, unflatten_into
+from ._plan import clear_plan_cache
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "backend_for",
+    "clear_plan_cache",
+    "count_launches",
+    "flatten",
+    "unflatten",
+    "unflatten_into",
+    "use_backend",
+]
+
+
+class LaunchCount:
+    """Launches recorded inside a :func:`count_launches` block (read after it ends)."""
+
+    total: int = 0
+    by_op: dict
+
+
+@contextlib.contextmanager
+def count_launches():
+    """Count the kernel launches made by fastpar inside the ``with`` block::
+
+        with fastpar.count_launches() as n:
+            fastpar.flatten(params)
+        assert n.total == 1
+    """
+    from .kernels import launches
+
+    total0, by0 = launches.snapshot()
+    result = LaunchCount()
+    result.by_op = {}
+    try:
+        yield result
+    finally:
+        total1, by1 = launches.snapshot()
+        result.total = total1 - total0
+        result.by_op = {k: v for k, v in (by1 - by0).items() if v}

@@ -1,0 +1,80 @@
+"""The one place that picks a backend: a table from device type to backend, and from
+op to the file that implements it in every backend."""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import importlib
+import os
+
+import torch
+
+#: Backend name -> package of its kernels (same file and function names in each).
+BACKENDS = {
+    "triton": "fastpar.kernels.ops_triton",
+    "numba": "fastpar.kernels.ops_numba",
+    "torch": "fastpar.kernels.ops_torch",
+}
+#: Device type -> backend used by ``auto``.
+AUTO = {"cuda": "triton", "cpu": "numba"}
+#: Op -> file implementing it (in every backend).
+OPS = {
+    "flatten": "flatten",
+    "unflatten_into": "flatten",
+    "reduce_add": "reduce_add",
+    "rnn_pack": "rnn_pack",
+}
+#: Devices each backend can run on (triton on CPU tensors = the Triton interpreter).
+RUNS_ON = {"triton": {"cuda", "cpu"}, "numba": {"cpu"}, "torch": None}
+
+_override: contextvars.ContextVar[str | None] = contextvars.ContextVar("fastpar_backend", default=None)
+
+
+def _requested() -> str:
+    name = _override.get() or os.environ.get("FASTPAR_BACKEND", "auto")
+    if name != "auto" and name not in BACKENDS:
+        raise ValueError(
+            f"FASTPAR_BACKEND must be one of auto, {', '.join(BACKENDS)}; got {name!r}"
+        )
+    return name
+
+
+def backend_for(device: torch.device) -> str:
+    """The backend that runs ops on ``device`` (``FASTPAR_BACKEND`` or :func:`use_backend`
+    override ``auto``)."""
+    name = _requested()
+    if name == "auto":
+        return AUTO.get(device.type, "torch")
+    allowed = RUNS_ON[name]
+    if allowed is not None and device.type not in allowed:
+        raise RuntimeError(
+            f"backend {name!r} cannot run on {device.type} tensors (it runs on {', '.join(sorted(allowed))}); "
+            f"use FASTPAR_BACKEND=auto"
+        )
+    return name
+
+
+@functools.cache
+def _kernel(backend: str, op: str):
+    module = importlib.import_module(f"{BACKENDS[backend]}.{OPS[op]}")
+    return getattr(module, op)
+
+
+def kernel(op: str, device: torch.device):
+    """``(backend name, launcher)`` for ``op`` on ``device``."""
+    backend = backend_for(device)
+    return backend, _kernel(backend, op)
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Run the enclosed ops on backend ``name`` (``auto``, ``triton``, ``numba`` or
+    ``torch``) in this thread/context, whatever ``FASTPAR_BACKEND`` says."""
+    if name != "auto" and name not in BACKENDS:
+        raise ValueError(f"backend must be one of auto, {', '.join(BACKENDS)}; got {name!r}")
+    token = _override.set(name)
+    try:
+        yield
+    finally:
+        _override.reset(token)

@@ -1,0 +1,137 @@
+"""Multi-tensor flatten / unflatten: many tensors <-> one contiguous buffer, one kernel
+launch per call and device (one per dtype group when the tensors mix dtypes)."""
+from __future__ import annotations
+
+import torch
+from torch.autograd.graph import increment_version
+
+from . import _dispatch, _tuning
+from ._plan import plan_for
+from ._validate import check_conversion, check_dtype, check_flat, check_no_overlap, check_scale
+
+__all__ = ["flatten", "unflatten", "unflatten_into"]
+
+
+def _staged_groups(plan, *, fill: bool):
+    """The plan's groups, with contiguous temporaries standing in for non-contiguous
+    tensors (filled with their values when ``fill``). Returns (groups, [(dst, tmp)])."""
+    if len(plan.noncontig) == 0:
+        return plan.groups, []
+    pending = []
+    groups = []
+    nc = set(plan.noncontig.tolist())
+    for g in plan.groups:
+        if not nc.intersection(g.index.tolist()):
+            groups.append(g)
+            continue
+        tensors = list(g.tensors)
+        for j, i in enumerate(g.index.tolist()):
+            if i in nc:
+                t = tensors[j]
+                tmp = t.contiguous() if fill else torch.empty_like(t, memory_format=torch.contiguous_format)
+                pending.append((t, tmp))
+                tensors[j] = tmp
+        groups.append(g.with_tensors(tuple(tensors)))
+    return groups, pending
+
+
+def flatten(tensors, *, dtype=None, scale=None, out=None):
+    r"""Pack ``tensors`` end to end into one 1-D buffer, in one kernel launch.
+
+    Returns the same values as ``torch._utils._flatten_dense_tensors(tensors)``, cast to
+    ``dtype`` and multiplied by ``scale`` in the same pass when those are given.
+
+    Args:
+        tensors (sequence of Tensor): dense tensors on one device, of any shapes
+            (non-contiguous and 0-dim included). They must share one dtype unless
+            ``dtype`` is given.
+        dtype (torch.dtype, optional): dtype of the result. Default: the tensors' dtype.
+        scale (float, optional): multiply every element by ``scale`` (computed in float32,
+            or float64 when either side is float64). Floating-point dtypes only.
+        out (Tensor, optional): a contiguous 1-D tensor of the total numel, ``dtype`` and
+            device to write into; reusing one across calls avoids the allocation (on this
+            CPU a fresh 100+ MB buffer costs more in page faults than the copy itself).
+            It must not overlap any input.
+
+    Returns:
+        Tensor: ``out`` if given, else a new tensor.
+
+    One launch per call on the ``triton`` and ``numba`` backends, whatever the number of
+    tensors; when ``dtype`` is given and the inputs mix dtypes, one launch per input
+    dtype (a Triton pointer type is fixed at compile time). Non-contiguous inputs are
+    first made contiguous (one extra copy each). Like ``torch.nn.parallel.comm``, the
+    result does not record autograd history.
+    """
+    plan = plan_for(tensors, "tensors")
+    if dtype is None:
+        if len(plan.groups) > 1:
+            d0 = plan.dtypes[0]
+            i = next(i for i, d in enumerate(plan.dtypes) if d != d0)
+            raise TypeError(
+                f"tensors must share one dtype unless dtype= is given: tensors[0] is {d0} "
+                f"but tensors[{i}] is {plan.dtypes[i]}"
+            )
+        dtype = plan.dtypes[0]
+    dtype = check_dtype(dtype, "dtype")
+    scale = check_scale(scale)
+    for g in plan.groups:
+        check_conversion(g.dtype, dtype, scale, "flatten")
+    if out is None:
+        out = torch.empty(plan.numel, dtype=dtype, device=plan.device)
+    else:
+        check_flat(out, "out", numel=plan.numel, dtype=dtype, device=plan.device)
+        check_no_overlap(plan, out, "out", "tensors")
+    backend, launch = _dispatch.kernel("flatten", plan.device)
+    groups, _ = _staged_groups(plan, fill=True)
+    for g in groups:
+        launch(g, out, scale, **_tuning.params("flatten", backend, g.dtype, out.dtype, plan.numel))
+    increment_version(out)
+    return out
+
+
+def unflatten(flat, tensors):
+    r"""Views of ``flat`` shaped like ``tensors`` (no copy), as
+    ``torch._utils._unflatten_dense_tensors`` returns.
+
+    Args:
+        flat (Tensor): a contiguous 1-D tensor holding exactly the tensors' total numel.
+        tensors (sequence of Tensor): tensors whose shapes the views take.
+
+    Returns:
+        tuple of Tensor: views into ``flat`` (with ``flat``'s dtype and device).
+    """
+    plan = plan_for(tensors, "tensors")
+    check_flat(flat, "flat", numel=plan.numel, dtype=None, device=None)
+    return tuple(torch._utils._unflatten_dense_tensors(flat, list(plan.tensors)))
+
+
+def unflatten_into(flat, tensors, *, scale=None) -> None:
+    r"""Copy the slices of ``flat`` back into ``tensors``, in one kernel launch.
+
+    The inverse of :func:`flatten`: ``tensors[i]`` receives
+    ``flat[offset_i : offset_i + tensors[i].numel()]``, cast to ``tensors[i].dtype`` and
+    multiplied by ``scale`` when given.
+
+    Args:
+        flat (Tensor): a contiguous 1-D tensor on the tensors' device holding exactly
+            their total numel; it must not overlap them.
+        tensors (sequence of Tensor): destinations; they may mix dtypes (one launch per
+            dtype) and be non-contiguous (written through a contiguous temporary).
+        scale (float, optional): multiply on the way (floating-point dtypes only).
+
+    Writes bypass autograd, as under ``torch.no_grad()``, but bump the tensors' version
+    counters so autograd still detects the modification of a saved tensor.
+    """
+    plan = plan_for(tensors, "tensors")
+    check_flat(flat, "flat", numel=plan.numel, dtype=None, device=plan.device)
+    scale = check_scale(scale)
+    for g in plan.groups:
+        check_conversion(flat.dtype, g.dtype, scale, "unflatten_into")
+    check_no_overlap(plan, flat, "flat", "tensors")
+    backend, launch = _dispatch.kernel("unflatten_into", plan.device)
+    groups, pending = _staged_groups(plan, fill=False)
+    for g in groups:
+        launch(g, flat, scale, **_tuning.params("unflatten_into", backend, flat.dtype, g.dtype, plan.numel))
+    for dst, tmp in pending:
+        dst.copy_(tmp)
+    increment_version(plan.tensors)

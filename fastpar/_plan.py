@@ -1,0 +1,278 @@
+"""Pointer plans: what one multi-tensor launch needs to know about a list of tensors.
+
+A :class:`Plan` describes a list of same-device tensors laid end to end in one flat
+buffer: each tensor's address, numel and element offset, grouped by dtype (a Triton
+pointer type is a compile-time constant, so each dtype group is one launch). Each
+:class:`Group` builds, on demand and once, the block-to-tensor chunk map for a block
+size and, on CUDA, one device copy of its tables.
+
+Plans are built with ``map`` over C-level getters and vectorised numpy, never a Python
+loop per tensor, and are cached on the identity of the tensor objects: a training loop
+that flattens the same parameters every step builds nothing after the first step. Every
+cache hit re-checks each tensor's data pointer, so a tensor whose storage was replaced
+(``.data =``, ``set_``, a reallocating ``resize_``) gets a fresh plan, never a stale
+address.
+"""
+from __future__ import annotations
+
+import collections
+import operator
+import os
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+_T = torch.Tensor
+_get_device = operator.attrgetter("device")
+_get_dtype = operator.attrgetter("dtype")
+_get_layout = operator.attrgetter("layout")
+
+#: Bytes of alignment that lets Triton emit 128-bit vector loads and stores.
+VECTOR_BYTES = 16
+
+
+def _first_index(values, pred) -> int:
+    return next(i for i, v in enumerate(values) if pred(v))
+
+
+def check_tensor_list(tensors, name: str) -> tuple:
+    """Validate a non-empty list of dense, same-device tensors; return it as a tuple.
+
+    Raises ``TypeError`` for a non-sequence, a non-tensor item or a sparse tensor, and
+    ``ValueError`` for an empty list or tensors on different devices. Messages name the
+    argument and the offending position.
+    """
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
+        raise TypeError(
+            f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}"
+        )
+    tup = tuple(tensors)
+    if not tup:
+        raise ValueError(f"{name} must contain at least one tensor, got an empty {type(tensors).__name__}")
+    if not all(map(isinstance, tup, (torch.Tensor,) * len(tup))):
+        i = _first_index(tup, lambda t: not isinstance(t, torch.Tensor))
+        raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(tup[i]).__name__}")
+    layouts = set(map(_get_layout, tup))
+    if layouts != {torch.strided}:
+        i = _first_index(tup, lambda t: t.layout != torch.strided)
+        raise TypeError(
+            f"{name}[{i}] has layout {tup[i].layout}; expected dense tensors (torch.strided). "
+            "Sparse tensors are not supported: densify them explicitly if that is what you want."
+        )
+    devices = set(map(_get_device, tup))
+    if len(devices) > 1:
+        d0 = tup[0].device
+        i = _first_index(tup, lambda t: t.device != d0)
+        raise ValueError(
+            f"{name} must all be on one device: {name}[0] is on {d0} but {name}[{i}] is on {tup[i].device}"
+        )
+    return tup
+
+
+@dataclass(eq=False)
+class Group:
+    """The tensors of one dtype within a plan: everything one launch needs."""
+
+    dtype: torch.dtype
+    device: torch.device
+    #: Positions of these tensors in the plan's list.
+    index: np.ndarray
+    #: The tensors themselves (the torch backend and staging use them).
+    tensors: tuple
+    #: Address of each tensor's first element (int64; 2-D ``[K, N]`` for K-source ops).
+    addrs: np.ndarray
+    #: Elements in each tensor (int64).
+    numels: np.ndarray
+    #: Element offset of each tensor in the flat buffer (int64).
+    offsets: np.ndarray
+    _blocks: dict = field(default_factory=dict, repr=False)
+    _tables: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def numel(self) -> int:
+        return int(self.numels.sum())
+
+    def aligned(self, elem_align: int) -> bool:
+        """True when every address is 16-byte aligned and every numel and offset is a
+        multiple of ``elem_align`` elements, so whole vectors never straddle tensors."""
+        key = ("aligned", elem_align)
+        hit = self._blocks.get(key)
+        if hit is None:
+            hit = bool(
+                (self.addrs % VECTOR_BYTES == 0).all()
+                and (self.numels % elem_align == 0).all()
+                and (self.offsets % elem_align == 0).all()
+            )
+            self._blocks[key] = hit
+        return hit
+
+    def blocks(self, block: int) -> tuple[np.ndarray, np.ndarray]:
+        """The chunk map for ``block`` elements per program: for each program, which
+        tensor it copies (int32 position in this group) and where in it it starts."""
+        hit = self._blocks.get(block)
+        if hit is None:
+            nblk = (self.numels + block - 1) // block
+            ends = np.cumsum(nblk)
+            total = int(ends[-1]) if len(ends) else 0
+            tensor = np.repeat(np.arange(len(nblk), dtype=np.int32), nblk)
+            start = (np.arange(total, dtype=np.int64) - np.repeat(ends - nblk, nblk)) * block
+            hit = (tensor, start)
+            self._blocks[block] = hit
+        return hit
+
+    def device_table(self, block: int, device: torch.device) -> torch.Tensor:
+        """One int64 tensor on ``device`` holding ``addrs | numels | offsets |
+        block_start | block_tensor``, copied to the device once per plan and block."""
+        key = (block, device)
+        hit = self._tables.get(key)
+        if hit is None:
+            tensor, start = self.blocks(block)
+            host = np.concatenate(
+                [self.addrs.reshape(-1), self.numels, self.offsets, start, tensor.astype(np.int64)]
+            )
+            hit = torch.from_numpy(host).to(device)
+            self._tables[key] = hit
+        return hit
+
+    def with_tensors(self, tensors: tuple) -> "Group":
+        """A copy over other tensors of the same shapes and dtype (fresh tables), e.g.
+        the contiguous temporaries that stand in for non-contiguous ones."""
+        addrs = np.fromiter(map(_T.data_ptr, tensors), np.int64, len(tensors))
+        return Group(self.dtype, self.device, self.index, tensors, addrs, self.numels, self.offsets)
+
+
+@dataclass(eq=False)
+class Plan:
+    """A list of same-device tensors laid end to end in one flat buffer."""
+
+    tensors: tuple
+    device: torch.device
+    dtypes: list
+    numels: np.ndarray
+    offsets: np.ndarray
+    ptrs: list
+    #: Positions of non-contiguous tensors (they are staged through contiguous copies).
+    noncontig: np.ndarray
+    groups: list
+    #: Byte range [lo, hi) spanned by each tensor's elements (for overlap checks).
+    spans: np.ndarray
+
+    @property
+    def numel(self) -> int:
+        return int(self.numels.sum())
+
+    def overlaps(self, t: torch.Tensor) -> int:
+        """Position of the first tensor whose memory overlaps ``t``'s, or -1."""
+        if t.device != self.device or t.numel() == 0:
+            return -1
+        lo = t.data_ptr()
+        hi = lo + t.numel() * t.element_size()
+        hit = np.nonzero((self.spans[:, 0] < hi) & (self.spans[:, 1] > lo))[0]
+        return int(hit[0]) if len(hit) else -1
+
+
+def _build(tup: tuple) -> Plan:
+    n = len(tup)
+    device = tup[0].device
+    dtypes = list(map(_get_dtype, tup))
+    numels = np.fromiter(map(_T.numel, tup), np.int64, n)
+    ptrs = list(map(_T.data_ptr, tup))
+    addrs = np.array(ptrs, dtype=np.int64)
+    contig = np.fromiter(map(_T.is_contiguous, tup), bool, n)
+    offsets = np.zeros(n, dtype=np.int64)
+    np.cumsum(numels[:-1], out=offsets[1:])
+    itemsize = np.fromiter((d.itemsize for d in dtypes), np.int64, n) if len(set(dtypes)) > 1 \
+        else np.full(n, dtypes[0].itemsize, dtype=np.int64)
+    # Span of memory each tensor may touch; for non-contiguous tensors, their storage
+    # from their first element to the storage's end (conservative).
+    spans = np.stack([addrs, addrs + numels * itemsize], axis=1)
+    noncontig = np.nonzero(~contig)[0]
+    for i in noncontig:
+        t = tup[i]
+        st = t.untyped_storage()
+        spans[i] = (st.data_ptr(), st.data_ptr() + st.nbytes())
+    groups = []
+    codes = {}
+    for d in dtypes:
+        codes.setdefault(d, len(codes))
+    if len(codes) == 1:
+        members = [(dtypes[0], np.arange(n))]
+    else:
+        code_arr = np.fromiter((codes[d] for d in dtypes), np.int64, n)
+        members = [(d, np.nonzero(code_arr == c)[0]) for d, c in codes.items()]
+    for d, idx in members:
+        groups.append(Group(d, device, idx, tuple(tup[i] for i in idx) if len(members) > 1 else tup,
+                            addrs[idx], numels[idx], offsets[idx]))
+    return Plan(tup, device, dtypes, numels, offsets, ptrs, noncontig, groups, spans)
+
+
+class _PlanCache:
+    """A small LRU of plans keyed on the identity of the tensor objects.
+
+    It holds strong references to the tensors of at most ``size`` plans (set with
+    ``FASTPAR_PLAN_CACHE``, default 8); :func:`clear_plan_cache` drops them. Callers
+    whose tensors are transient (a replica's gradients) pass ``cache=False``.
+    """
+
+    def __init__(self) -> None:
+        self.size = int(os.environ.get("FASTPAR_PLAN_CACHE", "8"))
+        self._plans: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, tensors, name: str, cache: bool) -> Plan:
+        if not cache or self.size <= 0:
+            return _build(check_tensor_list(tensors, name))
+        # Fast path: the very tensor objects of a cached plan (so already validated:
+        # their type, layout and device cannot change without their data pointer
+        # changing too), each still at the same address.
+        if isinstance(tensors, (list, tuple)) and tensors:
+            tup = tuple(tensors)
+            key = (len(tup), id(tup[0]), id(tup[-1]))
+            with self._lock:
+                plan = self._plans.get(key)
+            if (
+                plan is not None
+                and all(map(operator.is_, tup, plan.tensors))
+                and _same_data_ptrs(tup, plan.ptrs)
+            ):
+                with self._lock:
+                    self._plans.move_to_end(key)
+                    self.hits += 1
+                return plan
+        tup = check_tensor_list(tensors, name)
+        key = (len(tup), id(tup[0]), id(tup[-1]))
+        plan = _build(tup)
+        with self._lock:
+            self.misses += 1
+            self._plans[key] = plan
+            self._plans.move_to_end(key)
+            while len(self._plans) > self.size:
+                self._plans.popitem(last=False)
+        return plan
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+
+
+def _same_data_ptrs(tup: tuple, ptrs: list) -> bool:
+    # CUDA builds of torch expose a C++ check (used by cudagraph trees); elsewhere one
+    # C-level map over data_ptr.
+    return list(map(_T.data_ptr, tup)) == ptrs
+
+
+_CACHE = _PlanCache()
+
+
+def plan_for(tensors, name: str, *, cache: bool = True) -> Plan:
+    """Validate ``tensors`` (see :func:`check_tensor_list`) and return their plan."""
+    return _CACHE.get(tensors, name, cache)
+
+
+def clear_plan_cache() -> None:
+    """Drop every cached plan (and the references it holds to tensors)."""
+    _CACHE.clear()

@@ -1,0 +1,75 @@
+"""Argument checks shared by the ops. Every check runs before any launch, so a rejected
+call writes nothing; every message names the argument, what it got and what it expected."""
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+#: dtypes the kernels can convert between (same-dtype copies accept any 1/2/4/8-byte dtype).
+CAST_DTYPES = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+)
+FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def check_dtype(dtype, name: str) -> torch.dtype:
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{name} must be a torch.dtype, got {type(dtype).__name__} {dtype!r}")
+    return dtype
+
+
+def check_conversion(src: torch.dtype, dst: torch.dtype, scale, what: str) -> None:
+    """Raise unless the kernels can copy ``src`` to ``dst`` (with ``scale``)."""
+    if src == dst and scale is None:
+        if src.itemsize not in (1, 2, 4, 8):
+            raise TypeError(f"{what}: dtype {src} ({src.itemsize}-byte elements) is not supported")
+        return
+    for d in (src, dst):
+        if d not in CAST_DTYPES:
+            raise TypeError(
+                f"{what}: cannot convert {src} to {dst}; conversions and scaling support "
+                f"{', '.join(str(x).replace('torch.', '') for x in CAST_DTYPES)}"
+            )
+    if scale is not None and not (src.is_floating_point and dst.is_floating_point):
+        raise TypeError(
+            f"{what}: scale needs floating-point tensors, got {src} -> {dst}"
+        )
+
+
+def check_scale(scale, name: str = "scale"):
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"{name} must be a real number or None, got {type(scale).__name__} {scale!r}")
+    return float(scale)
+
+
+def check_flat(t, name: str, *, numel: int, dtype: torch.dtype | None, device: torch.device | None) -> torch.Tensor:
+    """A 1-D contiguous dense tensor of ``numel`` elements (on ``device`` and of ``dtype``
+    unless those are None)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense tensor, got layout {t.layout}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device}, got a tensor on {t.device}")
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
+    if t.dim() != 1 or not t.is_contiguous():
+        raise ValueError(
+            f"{name} must be a contiguous 1-D tensor, got shape {tuple(t.shape)} with strides {t.stride()}"
+        )
+    if t.numel() != numel:
+        raise ValueError(
+            f"{name} must have exactly {numel} elements (the total of the tensors), got {t.numel()} "
+            f"({'too small' if t.numel() < numel else 'too large'})"
+        )
+    return t
+
+
+def check_no_overlap(plan, t: torch.Tensor, name: str, tensors_name: str) -> None:
+    i = plan.overlaps(t)
+    if i >= 0:
+        raise ValueError(f"{name} overlaps the memory of {tensors_name}[{i}]; it must be a separate buffer")

@@ -1,0 +1,95 @@
+"""Numba multi-tensor copy: flatten (tensors -> flat) and unflatten_into (flat -> tensors).
+
+One launch per dtype group: a ``prange`` over the group's chunk map, each iteration
+copying up to ``chunk`` elements of one tensor, cast and optionally scaled on the way.
+"""
+from __future__ import annotations
+
+import functools
+
+import numba
+import numpy as np
+import torch
+
+from .. import _launch
+from . import _common as C
+
+#: Elements per parallel iteration (tuned by ``fastpar.autotune``).
+DEFAULT_CHUNK = 16384
+
+
+@functools.cache
+def _copy_kernel_for(src_kind: str, dst_kind: str, scaled: bool, to_flat: bool):
+    load = C.LOADS[src_kind]
+    store = C.STORES[dst_kind]
+
+    @numba.njit(parallel=True, nogil=True)
+    def _copy_kernel(
+        addrs,  # int64[N]: address of each tensor's first element
+        numels,  # int64[N]: elements per tensor
+        offsets,  # int64[N]: element offset of each tensor in the flat buffer
+        block_tensor,  # int32[B]: tensor (position in this group) each block copies
+        block_start,  # int64[B]: first element of the tensor this block copies
+        chunk,  # elements per block
+        flat_addr,  # address of the flat buffer's first element
+        flat_numel,  # elements in the flat buffer
+        scale,  # multiplier in the compute type (ignored unless scaled)
+        src_proto,  # empty array: its dtype is the source storage type
+        dst_proto,  # empty array: its dtype is the destination storage type
+    ):
+        if to_flat:
+            dst = numba.carray(C.address_as_pointer(flat_addr, dst_proto), (flat_numel,))
+        else:
+            src = numba.carray(C.address_as_pointer(flat_addr, src_proto), (flat_numel,))
+        for b in numba.prange(block_tensor.shape[0]):
+            t = block_tensor[b]
+            n = numels[t]
+            lo = block_start[b]
+            hi = min(lo + chunk, n)
+            off = offsets[t]
+            if to_flat:
+                s = numba.carray(C.address_as_pointer(addrs[t], src_proto), (n,))
+                for i in range(lo, hi):
+                    v = load(s, i)
+                    if scaled:
+                        v = v * scale
+                    store(dst, off + i, v)
+            else:
+                d = numba.carray(C.address_as_pointer(addrs[t], dst_proto), (n,))
+                for i in range(lo, hi):
+                    v = load(src, off + i)
+                    if scaled:
+                        v = v * scale
+                    store(d, i, v)
+
+    return _copy_kernel
+
+
+def _launch_copy(group, flat: torch.Tensor, flat_dtype, scale, to_flat: bool, chunk: int) -> None:
+    src_dtype, dst_dtype = (group.dtype, flat_dtype) if to_flat else (flat_dtype, group.dtype)
+    raw = src_dtype == dst_dtype and scale is None
+    src_kind, src_np = C.storage(src_dtype, raw)
+    dst_kind, dst_np = C.storage(dst_dtype, raw)
+    kernel = _copy_kernel_for(src_kind, dst_kind, scale is not None, to_flat)
+    block_tensor, block_start = group.blocks(chunk)
+    if len(block_tensor) == 0:
+        return
+    kernel(
+        group.addrs, group.numels, group.offsets, block_tensor, block_start, chunk,
+        flat.data_ptr(), flat.numel(),
+        C.compute_scale(src_dtype, dst_dtype, 1.0 if scale is None else scale),
+        np.empty(0, src_np), np.empty(0, dst_np),
+    )
+    _launch.launches.record("numba", "flatten" if to_flat else "unflatten_into")
+
+
+def flatten(group, out: torch.Tensor, scale: float | None, *, chunk: int = DEFAULT_CHUNK) -> None:
+    """Copy every tensor of ``group`` into ``out[offset : offset + numel]``, cast to
+    ``out.dtype`` and multiplied by ``scale`` when given. One launch."""
+    _launch_copy(group, out, out.dtype, scale, True, chunk)
+
+
+def unflatten_into(group, flat: torch.Tensor, scale: float | None, *, chunk: int = DEFAULT_CHUNK) -> None:
+    """Copy ``flat[offset : offset + numel]`` into every tensor of ``group``, cast to
+    the group's dtype and multiplied by ``scale`` when given. One launch."""
+    _launch_copy(group, flat, flat.dtype, scale, False, chunk)

@@ -1,0 +1,116 @@
+"""Triton building blocks shared by the GPU kernels.
+
+Every kernel here runs two ways: compiled for CUDA tensors, and under the Triton
+interpreter for CPU tensors (the test suite's way to run GPU code without a GPU; raw
+host addresses in pointer tables are valid there because the interpreter leaves CPU
+tensors where they are). :class:`Kernel` picks the way per launch.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+# torch dtype -> Triton element type for loads and arithmetic.
+TL_DTYPES = {
+    torch.float32: tl.float32,
+    torch.float64: tl.float64,
+    torch.float16: tl.float16,
+    torch.bfloat16: tl.bfloat16,
+    torch.int64: tl.int64,
+    torch.int32: tl.int32,
+    torch.int16: tl.int16,
+    torch.int8: tl.int8,
+    torch.uint8: tl.uint8,
+}
+# Same-dtype copies move bits, one integer type per element size.
+RAW_BY_SIZE = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
+
+
+def _interpretable(fn, _memo=None):
+    """``fn`` re-bound to a copy of its globals in which every ``@triton.jit`` helper is
+    an interpreted one: the interpreter runs a kernel's Python in its module globals,
+    where a compiled helper refuses to be called. (Under ``TRITON_INTERPRET=1`` every
+    ``triton.jit`` is already interpreted and nothing needs re-binding.)"""
+    memo = {} if _memo is None else _memo
+    if fn in memo:
+        return memo[fn]
+    g = dict(fn.__globals__)
+    new = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__qualname__ = fn.__qualname__
+    new.__module__ = fn.__module__
+    new.__annotations__ = fn.__annotations__
+    memo[fn] = new
+    for name in fn.__code__.co_names:
+        value = g.get(name)
+        if isinstance(value, JITFunction):
+            g[name] = InterpretedFunction(_interpretable(value.fn, memo))
+    return new
+
+
+class Kernel:
+    """A ``@triton.jit`` function launchable on CUDA tensors (compiled) and on CPU
+    tensors (interpreted). ``kernel.on(device)[grid](...)``."""
+
+    def __init__(self, jit_fn) -> None:
+        self.jit = jit_fn
+        self._interpreted = None
+
+    def on(self, device: torch.device):
+        if isinstance(self.jit, InterpretedFunction):
+            return self.jit
+        if device.type == "cuda":
+            return self.jit
+        if self._interpreted is None:
+            self._interpreted = InterpretedFunction(_interpretable(self.jit.fn))
+        return self._interpreted
+
+
+@triton.jit
+def to_storage(x, DST: tl.constexpr):
+    """Convert ``x`` for a store of dtype ``DST`` the way torch does.
+
+    bfloat16 is produced by hand, round to nearest even with NaN -> 0x7FC0 as c10 does,
+    and returned as int16 bits (store it through an int16 pointer): the hardware's
+    ``cvt.rn.bf16.f32`` agrees, but the interpreter truncates. float64 -> 16-bit goes
+    through float32, matching c10's ``Half(float)``/``BFloat16(float)`` double rounding.
+    """
+    if DST == tl.bfloat16:
+        x32 = x.to(tl.float32)
+        b = x32.to(tl.uint32, bitcast=True)
+        r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        r = tl.where(x32 != x32, 0x7FC0, r)
+        return r.to(tl.uint16).to(tl.int16, bitcast=True)
+    elif DST == tl.float16:
+        return x.to(tl.float32).to(tl.float16)
+    else:
+        return x.to(DST)
+
+
+def storage_type(dtype):
+    """The Triton type a value of ``dtype`` is stored through (bf16 -> int16 bits)."""
+    return tl.int16 if dtype == tl.bfloat16 else dtype
+
+
+def copy_types(src: torch.dtype, dst: torch.dtype, scaled: bool):
+    """(SRC, DST, COMPUTE) Triton types for a copy from ``src`` to ``dst``.
+
+    Same dtype and no scale moves raw bits; otherwise values are converted, and scaled
+    in float64 if either side is float64, else float32.
+    """
+    if src == dst and not scaled:
+        raw = RAW_BY_SIZE[src.itemsize]
+        return raw, raw, raw
+    compute = tl.float64 if torch.float64 in (src, dst) else tl.float32
+    return TL_DTYPES[src], TL_DTYPES[dst], compute
+
+
+def align_elems(src: torch.dtype, dst: torch.dtype) -> int:
+    """Elements per 16 bytes of the narrower side: numels and offsets must be multiples
+    of it for whole 128-bit vectors on both sides."""
+    return 16 // min(src.itemsize, dst.itemsize)

@@ -1,0 +1,129 @@
+"""Triton multi-tensor copy: flatten (tensors -> flat) and unflatten_into (flat -> tensors).
+
+One launch per dtype group, whatever the number of tensors: addresses come from an int64
+pointer table in device memory (no 4 KB kernel-argument limit, unlike apex's and
+``_foreach``'s by-value structs), and a block-to-tensor chunk map gives every program one
+``BLOCK``-element piece of one tensor.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import _launch
+from ._common import Kernel, align_elems, copy_types, storage_type, to_storage
+
+#: Elements per program (tuned by ``fastpar.autotune``).
+DEFAULT_BLOCK = 2048
+DEFAULT_NUM_WARPS = 4
+
+
+@triton.jit
+def _copy_kernel(
+    table,  # *i64: addrs[N] | numels[N] | offsets[N] | block_start[B] | block_tensor[B]
+    n_tensors,  # N, tensors in this group
+    flat,  # the flat buffer (source if not TO_FLAT, else destination); bf16 as int16 bits
+    scale: tl.float64,  # multiplier (used when SCALED), converted to COMPUTE
+    SRC: tl.constexpr,  # element type read
+    DST: tl.constexpr,  # element type written
+    STORE: tl.constexpr,  # pointer type DST is stored through (int16 bits for bf16)
+    COMPUTE: tl.constexpr,  # type the scale is applied in
+    SCALED: tl.constexpr,  # multiply by scale on the way
+    TO_FLAT: tl.constexpr,  # True: tensors -> flat; False: flat -> tensors
+    ALIGN: tl.constexpr,  # >1: every address is 16-byte aligned and every numel and offset
+    #                       a multiple of ALIGN elements, so loads/stores may be 128-bit
+    BLOCK: tl.constexpr,  # elements per program
+):
+    """Program ``p`` copies elements ``[start, start + BLOCK)`` (clipped to the numel) of
+    tensor ``t = block_tensor[p]``, ``start = block_start[p]``, to or from
+    ``flat[offsets[t] + start ...]``, converting SRC -> DST like ``Tensor.to`` and
+    multiplying by ``scale`` in COMPUTE when SCALED. Programs never overlap."""
+    pid = tl.program_id(0).to(tl.int64)
+    n_blocks = tl.num_programs(0).to(tl.int64)
+    t = tl.load(table + 3 * n_tensors + n_blocks + pid)
+    start = tl.load(table + 3 * n_tensors + pid)
+    addr = tl.load(table + t)
+    n = tl.load(table + n_tensors + t)
+    off = tl.load(table + 2 * n_tensors + t)
+    if ALIGN > 1:
+        # The launcher checked these; telling the compiler lets it vectorise.
+        addr = tl.multiple_of(addr, 16)
+        n = tl.multiple_of(n, ALIGN)
+        off = tl.multiple_of(off, ALIGN)
+    idx = start + tl.arange(0, BLOCK)
+    if ALIGN > 1:
+        idx = tl.max_contiguous(tl.multiple_of(idx, BLOCK), BLOCK)
+    mask = idx < n
+    if TO_FLAT:
+        src = addr.to(tl.pointer_type(SRC))
+        if ALIGN > 1:
+            src = tl.multiple_of(src, 16)
+        x = tl.load(src + idx, mask=mask)
+        dst = flat + off + idx
+    else:
+        x = tl.load(flat + off + idx, mask=mask)
+        dst = addr.to(tl.pointer_type(STORE))
+        if ALIGN > 1:
+            dst = tl.multiple_of(dst, 16)
+        dst = dst + idx
+    if SCALED:
+        x = x.to(COMPUTE) * tl.cast(scale, COMPUTE)
+    tl.store(dst, to_storage(x, DST), mask=mask)
+
+
+copy_kernel = Kernel(_copy_kernel)
+
+
+def copy_constexprs(group_dtype, flat_dtype, scaled: bool, to_flat: bool, aligned: bool, block: int):
+    """The compile-time arguments the launcher passes (shared with the AOT tests)."""
+    src_dtype, dst_dtype = (group_dtype, flat_dtype) if to_flat else (flat_dtype, group_dtype)
+    SRC, DST, COMPUTE = copy_types(src_dtype, dst_dtype, scaled)
+    return dict(
+        SRC=SRC, DST=DST, STORE=storage_type(DST), COMPUTE=COMPUTE, SCALED=scaled, TO_FLAT=to_flat,
+        ALIGN=align_elems(src_dtype, dst_dtype) if aligned else 1, BLOCK=block,
+    )
+
+
+_INT_BY_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def flat_view(flat: torch.Tensor, flat_type, is_destination: bool) -> torch.Tensor:
+    """The flat buffer as the kernel addresses it: as integers for raw copies, and as
+    int16 bits when bf16 is written (by hand, see ``to_storage``)."""
+    raw = flat_type in (tl.int8, tl.int16, tl.int32, tl.int64)
+    if (raw or (is_destination and flat.dtype == torch.bfloat16)) and flat.dtype.is_floating_point:
+        return flat.view(_INT_BY_SIZE[flat.element_size()])
+    return flat
+
+
+def _launch_copy(group, flat, scale, to_flat: bool, block: int, num_warps: int) -> None:
+    scaled = scale is not None
+    aligned = flat.data_ptr() % 16 == 0 and group.aligned(
+        align_elems(group.dtype, flat.dtype)
+    )
+    cx = copy_constexprs(group.dtype, flat.dtype, scaled, to_flat, aligned, block)
+    n_blocks = len(group.blocks(block)[0])
+    if n_blocks == 0:
+        return
+    table = group.device_table(block, flat.device)
+    kernel_flat = flat_view(flat, cx["STORE"] if to_flat else cx["SRC"], to_flat)
+    copy_kernel.on(flat.device)[(n_blocks,)](
+        table, len(group.numels), kernel_flat, 1.0 if scale is None else float(scale),
+        num_warps=num_warps, **cx,
+    )
+    _launch.launches.record("triton", "flatten" if to_flat else "unflatten_into")
+
+
+def flatten(group, out: torch.Tensor, scale: float | None, *, block: int = DEFAULT_BLOCK,
+            num_warps: int = DEFAULT_NUM_WARPS) -> None:
+    """Copy every tensor of ``group`` into ``out[offset : offset + numel]``, cast to
+    ``out.dtype`` and multiplied by ``scale`` when given. One launch."""
+    _launch_copy(group, out, scale, True, block, num_warps)
+
+
+def unflatten_into(group, flat: torch.Tensor, scale: float | None, *, block: int = DEFAULT_BLOCK,
+                   num_warps: int = DEFAULT_NUM_WARPS) -> None:
+    """Copy ``flat[offset : offset + numel]`` into every tensor of ``group``, cast to
+    the group's dtype and multiplied by ``scale`` when given. One launch."""
+    _launch_copy(group, flat, scale, False, block, num_warps)

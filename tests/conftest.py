@@ -1,0 +1,89 @@
+"""Shared test helpers: a dtype-keyed tolerance table, one verbose assert helper, input
+generators and output poisoning."""
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
+
+#: (rtol, atol) against a float64 reference, per result dtype.
+TOL = {
+    torch.float64: (1e-12, 1e-12),
+    torch.float32: (1.5e-6, 1e-6),
+    torch.float16: (1e-3, 1e-3),
+    torch.bfloat16: (8e-3, 8e-3),
+    torch.int64: (0, 0),
+    torch.int32: (0, 0),
+    torch.int16: (0, 0),
+    torch.int8: (0, 0),
+    torch.uint8: (0, 0),
+}
+FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+INT_DTYPES = [torch.int32, torch.int64]
+ALL_DTYPES = FLOAT_DTYPES + INT_DTYPES
+#: Backends that run on CPU tensors here (triton = the Triton interpreter).
+CPU_BACKENDS = ["numba", "triton", "torch"]
+
+HAS_CUDA = torch.cuda.is_available()
+cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, dtype=None, what: str = "", tol=None):
+    """Compare ``actual`` with a (float64) reference within ``TOL[dtype]``; on failure,
+    report how many elements differ, the worst one's index and both values, and any
+    NaN (poison) left in ``actual``."""
+    dtype = dtype or actual.dtype
+    rtol, atol = tol or TOL[dtype]
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}"
+    a = actual.detach().to("cpu", torch.float64).reshape(-1)
+    e = expected.detach().to("cpu", torch.float64).reshape(-1)
+    if a.numel() == 0:
+        return
+    nan_a, nan_e = torch.isnan(a), torch.isnan(e)
+    bad = (a - e).abs() > atol + rtol * e.abs()
+    bad |= nan_a != nan_e
+    bad &= ~(nan_a & nan_e)
+    if bad.any():
+        idx = bad.nonzero().flatten()
+        i = int(idx[(a - e).abs()[idx].nan_to_num(float("inf")).argmax()])
+        raise AssertionError(
+            f"{what}: {len(idx)} of {a.numel()} elements differ beyond rtol={rtol}, atol={atol} "
+            f"({dtype}); worst at flat index {i}: got {a[i].item()!r}, expected {e[i].item()!r}; "
+            f"first bad indices {idx[:8].tolist()}; NaNs in result: {int(nan_a.sum())} (expected {int(nan_e.sum())})"
+        )
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill ``t`` with NaN (floats) or a sentinel (integers) so unwritten elements show."""
+    if t.dtype.is_floating_point:
+        return t.fill_(float("nan"))
+    return t.fill_(-7 if t.dtype.is_signed else 77)
+
+
+def rand(shape, dtype, *, gen=None, device="cpu") -> torch.Tensor:
+    """Fresh random values exactly representable in ``dtype``."""
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype).to(device)
+    info = torch.iinfo(dtype)
+    lo, hi = max(info.min, -(2**20)), min(info.max, 2**20)
+    return torch.randint(lo, hi, shape, generator=gen, dtype=torch.int64).to(dtype).to(device)
+
+
+@pytest.fixture(params=CPU_BACKENDS)
+def backend(request):
+    import fastpar
+
+    with fastpar.use_backend(request.param):
+        yield request.param
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    import fastpar
+
+    fastpar.clear_plan_cache()
+    yield

@@ -1,0 +1,299 @@
+"""fastpar.flatten / unflatten / unflatten_into on every backend against float64 torch
+references, with poisoned outputs, edge sizes and every accepted dtype."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ALL_DTYPES, FLOAT_DTYPES, TOL, assert_close, poison_, rand
+
+import fastpar
+
+SHAPE_SETS = {
+    "single-0": [(0,)],
+    "single-1": [(1,)],
+    "odd": [(7,), (3, 5), (), (0,), (2, 3, 1)],
+    "big": [(65537,), (3,), (257, 129)],
+}
+
+
+def make(shapes, dtype, *, noncontig=False):
+    ts = [rand(s, dtype) for s in shapes]
+    if noncontig:
+        ts.append(rand((6, 4), dtype).t())  # non-contiguous
+        ts.append(rand((10,), dtype)[::3])  # strided
+    return ts
+
+
+def ref_flat(ts, dtype=None, scale=None):
+    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in ts])
+    if scale is not None:
+        flat = flat * scale
+    return flat
+
+
+@pytest.mark.parametrize("shapes", SHAPE_SETS.values(), ids=SHAPE_SETS.keys())
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_flatten_same_dtype(backend, shapes, dtype):
+    ts = make(shapes, dtype, noncontig=True)
+    out = poison_(torch.empty(sum(t.numel() for t in ts), dtype=dtype))
+    res = fastpar.flatten(ts, out=out)
+    assert res is out
+    expected = torch._utils._flatten_dense_tensors([t.contiguous() for t in ts])
+    assert torch.equal(out, expected), "same-dtype flatten must be bit-exact"
+    res2 = fastpar.flatten(ts)  # allocating
+    assert res2.dtype == dtype and torch.equal(res2, expected)
+
+
+@pytest.mark.parametrize("src", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("dst", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("scale", [None, 0.37], ids=["noscale", "scale"])
+def test_flatten_cast_scale(backend, src, dst, scale):
+    ts = make(SHAPE_SETS["odd"] + [(1030,)], src, noncontig=True)
+    out = poison_(torch.empty(sum(t.numel() for t in ts), dtype=dst))
+    fastpar.flatten(ts, dtype=dst, scale=scale, out=out)
+    tol = TOL[dst]
+    if backend == "triton" and scale is not None and torch.float64 in (src, dst):
+        # The Triton interpreter passes a Python float scalar as float32 (compiled
+        # kernels declare it float64), so the scale itself carries a float32 rounding.
+        tol = (max(tol[0], 1.2e-7), tol[1])
+    assert_close(out, ref_flat(ts, scale=scale), dtype=dst, what=f"{src}->{dst}", tol=tol)
+    if scale is None or src == dst == torch.float32:
+        # Conversions follow Tensor.to bit for bit (round to nearest even).
+        exp = torch._utils._flatten_dense_tensors([t.contiguous() for t in ts])
+        exp = (exp * scale if scale is not None else exp).to(dst)
+        assert torch.equal(out.view(torch.uint8), exp.view(torch.uint8)) or torch.equal(out, exp)
+
+
+def test_flatten_int_float_casts(backend):
+    ts = [rand((33,), torch.int32), rand((5,), torch.int64)]
+    out = fastpar.flatten(ts, dtype=torch.float64)
+    assert torch.equal(out, ref_flat(ts))
+    back = [poison_(torch.empty(33, dtype=torch.int32)), poison_(torch.empty(5, dtype=torch.int64))]
+    fastpar.unflatten_into(out, back)
+    assert all(torch.equal(a, b) for a, b in zip(back, ts))
+
+
+def test_flatten_mixed_dtypes_groups(backend):
+    ts = [rand((9,), torch.float16), rand((4, 4), torch.float32), rand((3,), torch.bfloat16), rand((2,), torch.float32)]
+    with fastpar.count_launches() as n:
+        out = fastpar.flatten(ts, dtype=torch.float32, scale=2.0)
+    assert_close(out, ref_flat(ts, scale=2.0), dtype=torch.float32)
+    if backend != "torch":
+        assert n.total == 3, "one launch per input dtype group"
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_unflatten_into(backend, dtype):
+    shapes = SHAPE_SETS["odd"] + SHAPE_SETS["big"]
+    targets = [poison_(torch.empty(s, dtype=dtype)) for s in shapes]
+    targets.append(poison_(torch.empty(4, 6, dtype=dtype)).t())  # non-contiguous target
+    total = sum(t.numel() for t in targets)
+    flat = rand((total,), dtype)
+    fastpar.unflatten_into(flat, targets)
+    views = torch._utils._unflatten_dense_tensors(flat, targets)
+    for i, (t, v) in enumerate(zip(targets, views)):
+        assert torch.equal(t, v), f"target {i} differs"
+
+
+@pytest.mark.parametrize("flat_dtype", FLOAT_DTYPES, ids=str)
+def test_unflatten_into_cast_scale_mixed_targets(backend, flat_dtype):
+    targets = [poison_(torch.empty(s, dtype=d)) for s, d in
+               [((7,), torch.float32), ((3, 3), torch.float16), ((11,), torch.bfloat16), ((5,), torch.float64)]]
+    flat = rand((sum(t.numel() for t in targets),), flat_dtype)
+    fastpar.unflatten_into(flat, targets, scale=0.5)
+    off = 0
+    for t in targets:
+        exp = flat[off : off + t.numel()].to(torch.float64).view(t.shape) * 0.5
+        tol = TOL[t.dtype]
+        if backend == "triton" and torch.float64 in (flat_dtype, t.dtype):
+            tol = (max(tol[0], 1.2e-7), tol[1])  # interpreter float32 scale, see above
+        assert_close(t, exp, dtype=t.dtype, what=f"{flat_dtype}->{t.dtype}", tol=tol)
+        off += t.numel()
+
+
+def test_unflatten_views():
+    ts = make(SHAPE_SETS["odd"], torch.float32)
+    flat = fastpar.flatten(ts)
+    views = fastpar.unflatten(flat, ts)
+    assert isinstance(views, tuple) and len(views) == len(ts)
+    for v, t in zip(views, ts):
+        assert v.shape == t.shape and torch.equal(v, t)
+        if v.numel():
+            assert v.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr(), "views, not copies"
+
+
+def test_round_trip_bf16_scale(backend):
+    ts = make(SHAPE_SETS["big"], torch.float32)
+    flat = fastpar.flatten(ts, dtype=torch.bfloat16, scale=4.0)
+    back = [poison_(torch.empty_like(t)) for t in ts]
+    fastpar.unflatten_into(flat, back, scale=0.25)
+    for b, t in zip(back, ts):
+        assert_close(b, t.double(), dtype=torch.bfloat16)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("op", ["flatten", "unflatten_into"])
+def test_ten_thousand_tensors(op):
+    gen = torch.Generator().manual_seed(0)
+    sizes = torch.randint(0, 70, (10_000,), generator=gen).tolist()
+    ts = [rand((n,), torch.float32, gen=gen) for n in sizes]
+    total = sum(sizes)
+    with fastpar.use_backend("numba"):
+        if op == "flatten":
+            out = poison_(torch.empty(total))
+            with fastpar.count_launches() as n:
+                fastpar.flatten(ts, out=out)
+            assert torch.equal(out, torch.cat(ts))
+        else:
+            flat = rand((total,), torch.float32, gen=gen)
+            for t in ts:
+                poison_(t)
+            with fastpar.count_launches() as n:
+                fastpar.unflatten_into(flat, ts)
+            assert torch.equal(torch.cat(ts), flat)
+    assert n.total == 1
+
+
+def test_ten_thousand_tensors_triton_interpreter():
+    gen = torch.Generator().manual_seed(1)
+    ts = [rand((n,), torch.float16, gen=gen) for n in torch.randint(0, 9, (10_000,), generator=gen).tolist()]
+    out = poison_(torch.empty(sum(t.numel() for t in ts), dtype=torch.float32))
+    with fastpar.use_backend("triton"), fastpar.count_launches() as n:
+        fastpar.flatten(ts, dtype=torch.float32, out=out)
+    assert n.total == 1
+    assert torch.equal(out, torch.cat(ts).float())
+
+
+@pytest.mark.parametrize("be", ["numba", "triton"])
+def test_launch_count_is_one_whatever_the_tensor_count(be):
+    with fastpar.use_backend(be):
+        for count in (1, 10, 1000, 10_000):
+            ts = [torch.randn(3) for _ in range(count)]
+            with fastpar.count_launches() as n:
+                flat = fastpar.flatten(ts)
+            assert n.total == 1, f"{count} tensors: {n.total} launches"
+            with fastpar.count_launches() as n:
+                fastpar.unflatten_into(flat, ts)
+            assert n.total == 1, f"{count} tensors: {n.total} launches"
+
+
+def test_empty_total_launches_nothing(backend):
+    ts = [torch.empty(0), torch.empty(0, 3)]
+    with fastpar.count_launches() as n:
+        out = fastpar.flatten(ts)
+    assert out.shape == (0,) and n.total == 0
+
+
+def test_plan_cache_sees_replaced_storage():
+    ts = [torch.randn(5), torch.randn(3)]
+    fastpar.flatten(ts)
+    ts[0].data = torch.full((5,), 3.0)  # same tensor object, new storage
+    assert torch.equal(fastpar.flatten(ts)[:5], torch.full((5,), 3.0))
+
+
+def test_version_counters_bumped():
+    ts = [torch.randn(4)]
+    v = ts[0]._version
+    fastpar.unflatten_into(torch.randn(4), ts)
+    assert ts[0]._version > v
+    out = torch.empty(4)
+    v = out._version
+    fastpar.flatten(ts, out=out)
+    assert out._version > v
+
+
+# ---------------------------------------------------------------- bad input
+def _untouched(t, snapshot):
+    return torch.equal(t, snapshot) or (t.isnan() == snapshot.isnan()).all()
+
+
+@pytest.mark.parametrize(
+    "tensors,kwargs,exc,match",
+    [
+        ([], {}, ValueError, "at least one tensor"),
+        (torch.randn(3), {}, TypeError, "list or tuple"),
+        ([torch.randn(2), 3.0], {}, TypeError, r"tensors\[1\] must be a torch.Tensor, got float"),
+        ([torch.randn(2), torch.randn(2, dtype=torch.float64)], {}, TypeError, r"tensors\[1\] is torch.float64"),
+        ([torch.randn(2), torch.eye(2).to_sparse()], {}, TypeError, r"tensors\[1\] has layout torch.sparse_coo"),
+        ([torch.randn(2)], {"dtype": "float32"}, TypeError, "dtype must be a torch.dtype"),
+        ([torch.randn(2)], {"scale": "2"}, TypeError, "scale must be a real number"),
+        ([torch.randint(0, 3, (2,))], {"scale": 2.0}, TypeError, "scale needs floating-point"),
+        ([torch.randn(2)], {"dtype": torch.complex64}, TypeError, "cannot convert"),
+    ],
+)
+def test_flatten_bad_input(tensors, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        fastpar.flatten(tensors, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "out,match,exc",
+    [
+        (torch.empty(4), "exactly 5 elements.*too small", ValueError),
+        (torch.empty(6), "exactly 5 elements.*too large", ValueError),
+        (torch.empty(5, dtype=torch.float64), "out must have dtype torch.float32", TypeError),
+        (torch.empty(10)[::2], "contiguous 1-D", ValueError),
+        (torch.empty(1, 5), "contiguous 1-D", ValueError),
+        ("buffer", "out must be a torch.Tensor", TypeError),
+    ],
+)
+def test_flatten_bad_out_writes_nothing(out, match, exc):
+    ts = [torch.randn(2), torch.randn(3)]
+    if isinstance(out, torch.Tensor):
+        poison_(out)
+    with pytest.raises(exc, match=match):
+        fastpar.flatten(ts, out=out)
+    if isinstance(out, torch.Tensor):
+        assert out.isnan().all(), "a rejected call wrote into out"
+
+
+def test_flatten_out_overlapping_input():
+    buf = torch.randn(10)
+    ts = [buf[:3], buf[3:5]]
+    snapshot = buf.clone()
+    with pytest.raises(ValueError, match=r"out overlaps the memory of tensors\[0\]"):
+        fastpar.flatten(ts, out=buf[2:7])
+    with pytest.raises(ValueError, match=r"overlaps"):
+        fastpar.flatten(ts, out=buf[4:9])
+    assert torch.equal(buf, snapshot)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and True, reason="needs a second device type")
+def test_mixed_devices_cuda():
+    with pytest.raises(ValueError, match="one device"):
+        fastpar.flatten([torch.randn(2), torch.randn(2, device="cuda")])
+
+
+def test_mixed_devices_meta():
+    # The meta device stands in for a second device here.
+    with pytest.raises(ValueError, match=r"tensors\[0\] is on cpu but tensors\[1\] is on meta"):
+        fastpar.flatten([torch.randn(2), torch.empty(2, device="meta")])
+
+
+@pytest.mark.parametrize("flat_numel,match", [(4, "too small"), (6, "too large")])
+def test_unflatten_into_bad_size_writes_nothing(flat_numel, match):
+    targets = [poison_(torch.empty(2)), poison_(torch.empty(3))]
+    with pytest.raises(ValueError, match=match):
+        fastpar.unflatten_into(torch.randn(flat_numel), targets)
+    assert all(t.isnan().all() for t in targets)
+
+
+def test_unflatten_into_bad_input():
+    targets = [poison_(torch.empty(2))]
+    with pytest.raises(TypeError, match="flat must be a torch.Tensor"):
+        fastpar.unflatten_into([1.0, 2.0], targets)
+    with pytest.raises(ValueError, match="flat overlaps"):
+        fastpar.unflatten_into(targets[0], targets)
+    with pytest.raises(ValueError, match="flat must be on cpu"):
+        fastpar.unflatten_into(torch.empty(2, device="meta"), targets)
+    with pytest.raises(TypeError, match="scale needs floating-point"):
+        fastpar.unflatten_into(torch.randn(2), [torch.zeros(2, dtype=torch.int32)], scale=2.0)
+    with pytest.raises(TypeError, match=r"tensors\[0\] has layout"):
+        fastpar.unflatten_into(torch.randn(4), [torch.eye(2).to_sparse()])
+    assert targets[0].isnan().all()
+
+
+def test_bad_backend_name(monkeypatch):
+    monkeypatch.setenv("FASTPAR_BACKEND", "cuda-magic")
+    with pytest.raises(ValueError, match="FASTPAR_BACKEND must be one of"):
+        fastpar.flatten([torch.randn(2)])
