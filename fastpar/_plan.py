@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ._fastcheck import same_tensors
+
 _T = torch.Tensor
 _get_device = operator.attrgetter("device")
 _get_dtype = operator.attrgetter("dtype")
@@ -158,6 +160,9 @@ class Plan:
     groups: list
     #: Byte range [lo, hi) spanned by each tensor's elements (for overlap checks).
     spans: np.ndarray
+    #: ``id`` of each tensor and its data pointer, as int64 arrays (for the fast check).
+    ids: np.ndarray
+    ptrs_arr: np.ndarray
 
     @property
     def numel(self) -> int:
@@ -205,7 +210,8 @@ def _build(tup: tuple) -> Plan:
     for d, idx in members:
         groups.append(Group(d, device, idx, tuple(tup[i] for i in idx) if len(members) > 1 else tup,
                             addrs[idx], numels[idx], offsets[idx]))
-    return Plan(tup, device, dtypes, numels, offsets, ptrs, noncontig, groups, spans)
+    ids = np.fromiter(map(id, tup), np.int64, n)
+    return Plan(tup, device, dtypes, numels, offsets, ptrs, noncontig, groups, spans, ids, addrs)
 
 
 class _PlanCache:
@@ -230,15 +236,10 @@ class _PlanCache:
         # their type, layout and device cannot change without their data pointer
         # changing too), each still at the same address.
         if isinstance(tensors, (list, tuple)) and tensors:
-            tup = tuple(tensors)
-            key = (len(tup), id(tup[0]), id(tup[-1]))
+            key = (len(tensors), id(tensors[0]), id(tensors[-1]))
             with self._lock:
                 plan = self._plans.get(key)
-            if (
-                plan is not None
-                and all(map(operator.is_, tup, plan.tensors))
-                and _same_data_ptrs(tup, plan.ptrs)
-            ):
+            if plan is not None and same_tensors(tensors, plan):
                 with self._lock:
                     self._plans.move_to_end(key)
                     self.hits += 1
@@ -257,12 +258,6 @@ class _PlanCache:
     def clear(self) -> None:
         with self._lock:
             self._plans.clear()
-
-
-def _same_data_ptrs(tup: tuple, ptrs: list) -> bool:
-    # CUDA builds of torch expose a C++ check (used by cudagraph trees); elsewhere one
-    # C-level map over data_ptr.
-    return list(map(_T.data_ptr, tup)) == ptrs
 
 
 _CACHE = _PlanCache()

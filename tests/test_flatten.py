@@ -297,3 +297,23 @@ def test_bad_backend_name(monkeypatch):
     monkeypatch.setenv("FASTPAR_BACKEND", "cuda-magic")
     with pytest.raises(ValueError, match="FASTPAR_BACKEND must be one of"):
         fastpar.flatten([torch.randn(2)])
+
+
+def test_fast_plan_check_matches_python():
+    from fastpar import _fastcheck
+    from fastpar._plan import plan_for
+
+    ts = [torch.randn(3), torch.randn(5), torch.empty(0)]
+    plan = plan_for(ts, "tensors")
+    fast = _fastcheck._make_numba_check()
+    assert fast is not None, "the C-speed check should be available on CPython + this torch"
+    for candidate, expected in [
+        (ts, True),
+        (tuple(ts), True),
+        (list(reversed(ts)), False),
+        (ts[:2] + [torch.randn(0)], False),
+    ]:
+        assert _fastcheck.same_tensors(candidate, plan) is expected
+        assert _fastcheck._python_check(list(candidate), plan.ids, plan.ptrs, plan.tensors) is expected
+    ts[1].data = torch.randn(5)  # same object, new storage
+    assert not _fastcheck.same_tensors(ts, plan)

