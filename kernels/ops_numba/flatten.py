@@ -15,15 +15,19 @@ from .. import _launch
 from . import _common as C
 
 #: Elements per parallel iteration (tuned by ``fastpar.autotune``).
-DEFAULT_CHUNK = 16384
+DEFAULT_CHUNK = 65536
+#: Below this many bytes moved, run on the calling thread: waking the thread pool costs
+#: more than it saves, and on a busy machine a parallel region can wait a whole
+#: scheduler quantum (~4-8 ms) for a descheduled worker.
+DEFAULT_PARALLEL_MIN_BYTES = 4 << 20
 
 
 @functools.cache
-def _copy_kernel_for(src_kind: str, dst_kind: str, scaled: bool, to_flat: bool):
+def _copy_kernel_for(src_kind: str, dst_kind: str, scaled: bool, to_flat: bool, parallel: bool):
     load = C.LOADS[src_kind]
     store = C.STORES[dst_kind]
 
-    @numba.njit(parallel=True, nogil=True)
+    @numba.njit(parallel=parallel, nogil=True)
     def _copy_kernel(
         addrs,  # int64[N]: address of each tensor's first element
         numels,  # int64[N]: elements per tensor
@@ -61,12 +65,14 @@ def _copy_kernel_for(src_kind: str, dst_kind: str, scaled: bool, to_flat: bool):
     return _copy_kernel
 
 
-def _launch_copy(group, flat: torch.Tensor, flat_dtype, scale, to_flat: bool, chunk: int) -> None:
+def _launch_copy(group, flat: torch.Tensor, flat_dtype, scale, to_flat: bool, chunk: int,
+                 parallel_min_bytes: int) -> None:
     src_dtype, dst_dtype = (group.dtype, flat_dtype) if to_flat else (flat_dtype, group.dtype)
     raw = src_dtype == dst_dtype and scale is None
     src_kind, src_np = C.storage(src_dtype, raw)
     dst_kind, dst_np = C.storage(dst_dtype, raw)
-    kernel = _copy_kernel_for(src_kind, dst_kind, scale is not None, to_flat)
+    parallel = group.numel * (src_dtype.itemsize + dst_dtype.itemsize) >= parallel_min_bytes
+    kernel = _copy_kernel_for(src_kind, dst_kind, scale is not None, to_flat, parallel)
     block_tensor, block_start = group.blocks(chunk)
     if len(block_tensor) == 0:
         return
@@ -79,13 +85,15 @@ def _launch_copy(group, flat: torch.Tensor, flat_dtype, scale, to_flat: bool, ch
     _launch.launches.record("numba", "flatten" if to_flat else "unflatten_into")
 
 
-def flatten(group, out: torch.Tensor, scale: float | None, *, chunk: int = DEFAULT_CHUNK) -> None:
+def flatten(group, out: torch.Tensor, scale: float | None, *, chunk: int = DEFAULT_CHUNK,
+            parallel_min_bytes: int = DEFAULT_PARALLEL_MIN_BYTES) -> None:
     """Copy every tensor of ``group`` into ``out[offset : offset + numel]``, cast to
     ``out.dtype`` and multiplied by ``scale`` when given. One launch."""
-    _launch_copy(group, out, out.dtype, scale, True, chunk)
+    _launch_copy(group, out, out.dtype, scale, True, chunk, parallel_min_bytes)
 
 
-def unflatten_into(group, flat: torch.Tensor, scale: float | None, *, chunk: int = DEFAULT_CHUNK) -> None:
+def unflatten_into(group, flat: torch.Tensor, scale: float | None, *, chunk: int = DEFAULT_CHUNK,
+                   parallel_min_bytes: int = DEFAULT_PARALLEL_MIN_BYTES) -> None:
     """Copy ``flat[offset : offset + numel]`` into every tensor of ``group``, cast to
     the group's dtype and multiplied by ``scale`` when given. One launch."""
-    _launch_copy(group, flat, flat.dtype, scale, False, chunk)
+    _launch_copy(group, flat, flat.dtype, scale, False, chunk, parallel_min_bytes)

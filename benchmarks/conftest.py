@@ -1,0 +1,69 @@
+"""pytest-benchmark helpers: providers measured in the same run, GB/s in ``extra_info``,
+and a closing table of ratios (torch median / fastpar median) per group.
+
+Run:  ``pytest benchmarks --benchmark-only --benchmark-json=results/benchmarks/<name>.json``
+Compare two saved runs: ``pytest-benchmark compare results/benchmarks/a.json results/benchmarks/b.json``
+(or ``--benchmark-storage=results/benchmarks --benchmark-save=NAME`` then
+``--benchmark-compare``).
+"""
+from __future__ import annotations
+
+import collections
+import warnings
+
+import pytest
+
+warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
+
+#: Provider measured as the baseline in each group, and the bandwidth ceiling.
+BASELINE = "torch"
+CEILING = "copy_"
+
+
+def measure(benchmark, fn, nbytes: int, *, rounds: int = 10, setup=None):
+    """Time ``fn`` (median of ``rounds`` after two warm-up calls) and record GB/s, where
+    ``nbytes`` counts bytes read plus written."""
+    benchmark.pedantic(fn, setup=setup, rounds=rounds, warmup_rounds=2, iterations=1)
+    median = benchmark.stats.stats.median
+    benchmark.extra_info["bytes"] = nbytes
+    benchmark.extra_info["GB/s"] = round(nbytes / median / 1e9, 3)
+    return median
+
+
+def _ratios(benchmarks):
+    groups = collections.defaultdict(dict)
+    for b in benchmarks:
+        provider = (b.params or {}).get("provider") if hasattr(b, "params") else None
+        if provider is None or not getattr(b, "stats", None):
+            continue
+        groups[b.group][provider] = b.stats.median
+    rows = []
+    for group, med in sorted(groups.items()):
+        if BASELINE in med:
+            for provider, m in sorted(med.items()):
+                if provider not in (BASELINE, CEILING):
+                    row = {"group": group, "provider": provider, "ratio": med[BASELINE] / m,
+                           "median_ms": m * 1e3, "torch_ms": med[BASELINE] * 1e3}
+                    if CEILING in med:
+                        row["of_copy_ceiling"] = med[CEILING] / m
+                    rows.append(row)
+    return rows
+
+
+def pytest_benchmark_update_json(config, benchmarks, output_json):
+    output_json["ratios"] = _ratios(benchmarks)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    session = getattr(config, "_benchmarksession", None)
+    if session is None or not session.benchmarks:
+        return
+    rows = _ratios(session.benchmarks)
+    if not rows:
+        return
+    tr = terminalreporter
+    tr.section("fastpar vs torch, same run (ratio = torch median / fastpar median)")
+    tr.write_line(f"{'group':48s} {'provider':18s} {'fastpar ms':>11s} {'torch ms':>10s} {'ratio':>7s} {'of copy_':>9s}")
+    for r in rows:
+        ceil = f"{100 * r['of_copy_ceiling']:8.0f}%" if "of_copy_ceiling" in r else ""
+        tr.write_line(f"{r['group']:48s} {r['provider']:18s} {r['median_ms']:11.3f} {r['torch_ms']:10.3f} {r['ratio']:7.2f} {ceil:>9s}")

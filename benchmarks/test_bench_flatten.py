@@ -1,0 +1,84 @@
+"""flatten / unflatten_into vs torch on the three real workloads (issue #2 targets).
+
+Each group has providers ``fastpar`` and ``torch`` (and ``copy_``: one ``Tensor.copy_``
+of the same bytes into a touched buffer, the bandwidth ceiling), measured in one run.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import measure
+
+import fastpar
+from fastpar._workloads import WORKLOADS, nbytes
+
+WL = list(WORKLOADS)
+
+
+@pytest.fixture(scope="module", params=WL)
+def workload(request):
+    torch.manual_seed(0)
+    tensors = WORKLOADS[request.param][0]()
+    n = sum(t.numel() for t in tensors)
+    return request.param, tensors, n
+
+
+@pytest.mark.parametrize("provider", ["fastpar", "torch"])
+def test_flatten_allocating(benchmark, workload, provider):
+    name, ts, n = workload
+    benchmark.group = f"flatten alloc: {name}"
+    fn = (lambda: fastpar.flatten(ts)) if provider == "fastpar" else (lambda: torch._utils._flatten_dense_tensors(ts))
+    measure(benchmark, fn, 2 * nbytes(ts))
+
+
+@pytest.mark.parametrize("provider", ["fastpar", "torch", "copy_"])
+def test_flatten_out(benchmark, workload, provider):
+    name, ts, n = workload
+    benchmark.group = f"flatten out=: {name}"
+    out = torch.zeros(n)
+    if provider == "fastpar":
+        fn = lambda: fastpar.flatten(ts, out=out)
+    elif provider == "torch":
+        views = [t.reshape(-1) for t in ts]
+        fn = lambda: torch.cat(views, out=out)
+    else:
+        src = torch.randn(n)
+        fn = lambda: out.copy_(src)
+    measure(benchmark, fn, 2 * nbytes(ts))
+
+
+@pytest.mark.parametrize("provider", ["fastpar", "torch"])
+def test_flatten_bf16_scale_out(benchmark, workload, provider):
+    name, ts, n = workload
+    benchmark.group = f"flatten bf16+scale out=: {name}"
+    out = torch.zeros(n, dtype=torch.bfloat16)
+    if provider == "fastpar":
+        fn = lambda: fastpar.flatten(ts, dtype=torch.bfloat16, scale=0.125, out=out)
+    else:
+        # torch's best three-pass equivalent: cat into a reused fp32 buffer, scale, cast.
+        views = [t.reshape(-1) for t in ts]
+        buf = torch.zeros(n)
+
+        def fn():
+            torch.cat(views, out=buf)
+            buf.mul_(0.125)
+            out.copy_(buf)
+
+    measure(benchmark, fn, nbytes(ts) + 2 * n)
+
+
+@pytest.mark.parametrize("provider", ["fastpar", "torch", "copy_"])
+def test_unflatten_into(benchmark, workload, provider):
+    name, ts, n = workload
+    benchmark.group = f"unflatten_into: {name}"
+    flat = torch.randn(n)
+    dst = [torch.zeros_like(t) for t in ts]
+    if provider == "fastpar":
+        fn = lambda: fastpar.unflatten_into(flat, dst)
+    elif provider == "torch":
+        views = list(fastpar.unflatten(flat, dst))
+        fn = lambda: torch._foreach_copy_(dst, views)
+    else:
+        out = torch.zeros(n)
+        fn = lambda: out.copy_(flat)
+    measure(benchmark, fn, 2 * nbytes(ts))
