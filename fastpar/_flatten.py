@@ -135,3 +135,49 @@ def unflatten_into(flat, tensors, *, scale=None) -> None:
     for dst, tmp in pending:
         dst.copy_(tmp)
     increment_version(plan.tensors)
+
+
+# ---------------------------------------------------------------------------
+# One byte buffer for a whole (possibly mixed-dtype) tensor list: each dtype group gets
+# a 64-byte-aligned region, so every output of one device shares one storage. Used by
+# comm.broadcast_coalesced, comm.reduce_add_coalesced and replicate.
+
+_REGION_ALIGN = 64
+
+
+def byte_layout(plan) -> tuple[list[int], int]:
+    """Byte offset of each dtype group's region, and the buffer's total bytes."""
+    offsets, total = [], 0
+    for g in plan.groups:
+        total = -(-total // _REGION_ALIGN) * _REGION_ALIGN
+        offsets.append(total)
+        total += g.numel * g.dtype.itemsize
+    return offsets, total
+
+
+def region(buf: torch.Tensor, group, byte_offset: int) -> torch.Tensor:
+    """The 1-D ``group.dtype`` view of ``group``'s region of ``buf`` (a uint8 buffer)."""
+    return buf[byte_offset : byte_offset + group.numel * group.dtype.itemsize].view(group.dtype)
+
+
+def pack_bytes(plan, buf: torch.Tensor, layout) -> None:
+    """Flatten every group of ``plan`` into its region of ``buf``: one launch per group."""
+    backend, launch = _dispatch.kernel("flatten", plan.device)
+    groups, _ = _staged_groups(plan, fill=True)
+    for g, off in zip(groups, layout):
+        flat = region(buf, g, off)
+        launch(g.local(), flat, None, **_tuning.params("flatten", backend, g.dtype, g.dtype, g.numel))
+    increment_version(buf)
+
+
+def byte_views(buf: torch.Tensor, plan, layout) -> list:
+    """Views of ``buf`` shaped like ``plan``'s tensors, in the plan's order."""
+    if len(plan.groups) == 1:
+        g = plan.groups[0]
+        return list(torch._utils._unflatten_dense_tensors(region(buf, g, layout[0]), list(plan.tensors)))
+    result = [None] * len(plan.tensors)
+    for g, off in zip(plan.groups, layout):
+        views = torch._utils._unflatten_dense_tensors(region(buf, g, off), list(g.tensors))
+        for i, v in zip(g.index.tolist(), views):
+            result[i] = v
+    return result

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import operator
 import os
+import sys
 import threading
 from dataclasses import dataclass, field
 
@@ -73,6 +74,17 @@ def check_tensor_list(tensors, name: str) -> tuple:
     return tup
 
 
+def chunk_map(numels: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """For ``block`` elements per program: the tensor (int32 position) each program
+    works on and the element it starts at (int64), tensors in order."""
+    nblk = (numels + block - 1) // block
+    ends = np.cumsum(nblk)
+    total = int(ends[-1]) if len(ends) else 0
+    tensor = np.repeat(np.arange(len(nblk), dtype=np.int32), nblk)
+    start = (np.arange(total, dtype=np.int64) - np.repeat(ends - nblk, nblk)) * block
+    return tensor, start
+
+
 @dataclass(eq=False)
 class Group:
     """The tensors of one dtype within a plan: everything one launch needs."""
@@ -96,6 +108,28 @@ class Group:
     def numel(self) -> int:
         return int(self.numels.sum())
 
+    @property
+    def local_offsets(self) -> np.ndarray:
+        """Element offsets within a buffer of this group alone (``offsets`` count every
+        tensor of the plan, other dtypes included)."""
+        hit = self._blocks.get("local")
+        if hit is None:
+            hit = np.zeros_like(self.numels)
+            np.cumsum(self.numels[:-1], out=hit[1:])
+            self._blocks["local"] = hit
+        return hit
+
+    def local(self) -> "Group":
+        """This group over a buffer of its own (offsets from 0), sharing its caches' inputs."""
+        if len(self.offsets) == 0 or (self.offsets == self.local_offsets).all():
+            return self
+        hit = self._blocks.get("local_group")
+        if hit is None:
+            hit = self._blocks["local_group"] = Group(
+                self.dtype, self.device, self.index, self.tensors, self.addrs, self.numels, self.local_offsets
+            )
+        return hit
+
     def aligned(self, elem_align: int) -> bool:
         """True when every address is 16-byte aligned and every numel and offset is a
         multiple of ``elem_align`` elements, so whole vectors never straddle tensors."""
@@ -115,13 +149,7 @@ class Group:
         tensor it copies (int32 position in this group) and where in it it starts."""
         hit = self._blocks.get(block)
         if hit is None:
-            nblk = (self.numels + block - 1) // block
-            ends = np.cumsum(nblk)
-            total = int(ends[-1]) if len(ends) else 0
-            tensor = np.repeat(np.arange(len(nblk), dtype=np.int32), nblk)
-            start = (np.arange(total, dtype=np.int64) - np.repeat(ends - nblk, nblk)) * block
-            hit = (tensor, start)
-            self._blocks[block] = hit
+            hit = self._blocks[block] = chunk_map(self.numels, block)
         return hit
 
     def device_table(self, block: int, device: torch.device) -> torch.Tensor:
@@ -163,6 +191,8 @@ class Plan:
     #: ``id`` of each tensor and its data pointer, as int64 arrays (for the fast check).
     ids: np.ndarray
     ptrs_arr: np.ndarray
+    #: References to ``tensors[0]`` held by the plan itself.
+    internal_refs: int = 1
 
     @property
     def numel(self) -> int:
@@ -211,7 +241,8 @@ def _build(tup: tuple) -> Plan:
         groups.append(Group(d, device, idx, tuple(tup[i] for i in idx) if len(members) > 1 else tup,
                             addrs[idx], numels[idx], offsets[idx]))
     ids = np.fromiter(map(id, tup), np.int64, n)
-    return Plan(tup, device, dtypes, numels, offsets, ptrs, noncontig, groups, spans, ids, addrs)
+    return Plan(tup, device, dtypes, numels, offsets, ptrs, noncontig, groups, spans, ids, addrs,
+                1 if len(groups) == 1 else 2)
 
 
 class _PlanCache:
@@ -249,11 +280,18 @@ class _PlanCache:
         plan = _build(tup)
         with self._lock:
             self.misses += 1
+            self._evict_orphans()
             self._plans[key] = plan
             self._plans.move_to_end(key)
             while len(self._plans) > self.size:
                 self._plans.popitem(last=False)
         return plan
+
+    def _evict_orphans(self) -> None:
+        # Drop plans whose first tensor nothing but the cache refers to any more (a
+        # previous step's gradients, say), so the cache does not keep them alive.
+        for k in [k for k, p in self._plans.items() if sys.getrefcount(p.tensors[0]) - 1 <= p.internal_refs]:
+            del self._plans[k]
 
     def clear(self) -> None:
         with self._lock:
@@ -271,3 +309,54 @@ def plan_for(tensors, name: str, *, cache: bool = True) -> Plan:
 def clear_plan_cache() -> None:
     """Drop every cached plan (and the references it holds to tensors)."""
     _CACHE.clear()
+
+
+@dataclass(eq=False)
+class ReduceGroup:
+    """One dtype group of a K-source reduction: ``dst[t] = sum_k src[k][t]``."""
+
+    dtype: torch.dtype
+    #: Device the kernel runs on (the destination's).
+    device: torch.device
+    #: int64 ``[K, N]``: address of tensor ``t`` in source ``k``.
+    src_addrs: np.ndarray
+    #: int64 ``[N]``: address of each destination tensor.
+    dst_addrs: np.ndarray
+    #: int64 ``[N]``: elements per tensor.
+    numels: np.ndarray
+    #: The tensors behind the addresses: ``sources[k][t]`` and ``destinations[t]``
+    #: (the torch backend works on them; they also keep the memory alive).
+    sources: list
+    destinations: list
+    #: Chunk-map cache shared with a plan group of the same numels.
+    _blocks: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def numel(self) -> int:
+        return int(self.numels.sum())
+
+    @property
+    def n_sources(self) -> int:
+        return self.src_addrs.shape[0]
+
+    def aligned(self, elem_align: int) -> bool:
+        return bool(
+            (self.src_addrs % VECTOR_BYTES == 0).all()
+            and (self.dst_addrs % VECTOR_BYTES == 0).all()
+            and (self.numels % elem_align == 0).all()
+        )
+
+    def blocks(self, block: int) -> tuple[np.ndarray, np.ndarray]:
+        hit = self._blocks.get(block)
+        if hit is None:
+            hit = self._blocks[block] = chunk_map(self.numels, block)
+        return hit
+
+    def device_table(self, block: int, device: torch.device) -> torch.Tensor:
+        """``src_addrs (source-major) | dst_addrs | numels | block_start | block_tensor``
+        as one int64 tensor on ``device`` (built per call: sources are often transient)."""
+        tensor, start = self.blocks(block)
+        host = np.concatenate(
+            [self.src_addrs.reshape(-1), self.dst_addrs, self.numels, start, tensor.astype(np.int64)]
+        )
+        return torch.from_numpy(host).to(device, non_blocking=True)

@@ -43,3 +43,20 @@ def test_copy_conversions_compile_vectorised(cc, src, dst, scaled, to_flat):
     assert ".entry" in ptx
     # Both sides are 16-byte aligned: the narrow side moves whole 128-bit vectors.
     assert "ld.global.v4" in ptx or "ld.global.v2" in ptx, "expected vector loads"
+
+
+@pytest.mark.parametrize("cc", CCS)
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_reduce_fp32_aligned_uses_128bit_vectors(cc, k):
+    ptx = aot.compile_reduce(cc, torch.float32, k)
+    assert ptx.count("ld.global.v4.b32") >= k, "each of the K sources read with 128-bit loads"
+    assert "st.global.v4.b32" in ptx
+
+
+@pytest.mark.parametrize("cc", CCS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64, torch.int32], ids=str)
+def test_reduce_other_dtypes_compile(cc, dtype):
+    ptx = aot.compile_reduce(cc, dtype, 3)
+    assert ".entry" in ptx and "ld.global.v" in ptx
+    if dtype in (torch.float16, torch.bfloat16):
+        assert "add.f32" in ptx or "add.rn.f32" in ptx, "16-bit sources accumulate in fp32"

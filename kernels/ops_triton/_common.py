@@ -55,7 +55,12 @@ def _interpretable(fn, _memo=None):
 
 class Kernel:
     """A ``@triton.jit`` function launchable on CUDA tensors (compiled) and on CPU
-    tensors (interpreted). ``kernel.on(device)[grid](...)``."""
+    tensors (interpreted). ``kernel.on(device)[grid](...)``.
+
+    Helpers a kernel calls by name are re-bound for the interpreter; the ``@jit``
+    functions inside ``triton.language`` itself (``tl.zeros``, ``tl.cdiv``, ...) are not,
+    so kernels use the builtins (``tl.full``, ...) instead.
+    """
 
     def __init__(self, jit_fn) -> None:
         self.jit = jit_fn

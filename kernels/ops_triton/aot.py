@@ -36,3 +36,12 @@ def compile_copy(cc: int, src=torch.float32, dst=torch.float32, scaled=False, to
     flat_ty = cx["STORE"] if to_flat else cx["SRC"]
     signature = {"table": "*i64", "n_tensors": "i64", "flat": _ty(flat_ty), "scale": "fp64"}
     return compile_kernel(F._copy_kernel, signature, cx, cc, aligned_args=("table", "flat")).asm["ptx"]
+
+
+def compile_reduce(cc: int, dtype=torch.float32, n_sources: int = 4, aligned=True, block=None) -> str:
+    """PTX of the K-way reduce-add kernel as the launcher configures it."""
+    from . import reduce_add as R
+
+    cx = R.reduce_constexprs(dtype, n_sources, aligned, block or R.DEFAULT_BLOCK)
+    signature = {"table": "*i64", "n_tensors": "i64"}
+    return compile_kernel(R._reduce_add_kernel, signature, cx, cc, aligned_args=("table",)).asm["ptx"]

@@ -1,0 +1,68 @@
+"""The few things only a real multi-GPU machine runs: peer access and cross-device
+stream ordering for kernels that read other GPUs' memory. Kept small and isolated; the
+test suite runs them only where CUDA devices exist."""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+def allocator_allows_peer_pointers() -> bool:
+    """False when the CUDA allocator hands out memory that raw peer pointers may not reach.
+
+    ``cudaMallocAsync`` pools need pool-specific access grants, and expandable segments
+    map memory per device; in both cases a kernel on one GPU must not dereference
+    another's addresses unless the allocator itself granted access, so fastpar stages.
+    """
+    if torch.cuda.get_allocator_backend() != "native":
+        return False
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    return "expandable_segments:true" not in conf.replace(" ", "").lower()
+
+
+@functools.cache
+def _enable_pair(dst: int, src: int) -> bool:
+    """Let kernels on ``dst`` read ``src``'s memory. Goes through torch's own
+    peer-access cache (``at::cuda::get_p2p_access``, which calls
+    ``cudaDeviceEnablePeerAccess`` once per pair and tolerates "already enabled"): a
+    one-element copy in each direction between the two devices triggers it, so torch
+    and fastpar never disagree about what is enabled."""
+    if not torch.cuda.can_device_access_peer(dst, src):
+        return False
+    a = torch.zeros(1, device=f"cuda:{dst}")
+    b = torch.zeros(1, device=f"cuda:{src}")
+    a.copy_(b)
+    b.copy_(a)
+    torch.cuda.synchronize(dst)
+    torch.cuda.synchronize(src)
+    return True
+
+
+def enable_peer_access(dst: torch.device, sources) -> bool:
+    """True if a kernel on ``dst`` may read the memory of every device in ``sources``
+    (enabling peer access where needed)."""
+    if not allocator_allows_peer_pointers():
+        return False
+    return all(s == dst or _enable_pair(dst.index, s.index) for s in sources)
+
+
+def wait_for(dst: torch.device, sources) -> None:
+    """Make ``dst``'s current stream wait for the work queued on each source device's
+    current stream (the producers of the memory a peer kernel is about to read)."""
+    dst_stream = torch.cuda.current_stream(dst)
+    for s in {s for s in sources if s != dst}:
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(s))
+        dst_stream.wait_event(ev)
+
+
+def release_to(dst: torch.device, sources) -> None:
+    """Make each source device's current stream wait for ``dst``'s: nothing queued there
+    afterwards (a write, or the allocator reusing freed memory) can overtake the peer
+    kernel still reading it."""
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(dst))
+    for s in {s for s in sources if s != dst}:
+        torch.cuda.current_stream(s).wait_event(ev)

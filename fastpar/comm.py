@@ -1,0 +1,546 @@
+"""Collective device ops with the signatures and semantics of ``torch.nn.parallel.comm``,
+on fastpar's single-launch kernels.
+
+The centrepiece is :func:`reduce_add_coalesced`: one kernel per destination (per dtype)
+sums the copies of every tensor held by all devices, reading them where they are, and
+writes each result element once.
+
+Devices may be CUDA devices (``int``, ``str`` or :class:`torch.device`) or ``"cpu"``
+entries. A list of CPU entries means replicas kept in host memory: the ops then run on
+the Numba backend, so the whole module works (and is tested) without a GPU. Duplicate
+CUDA devices are an error, as in torch; duplicate CPU entries are allowed. One call
+takes either CUDA devices or CPU entries, not both.
+
+Which path a CUDA reduction takes is logged at DEBUG level on the ``fastpar.comm`` logger
+and returned by :func:`reduce_path`:
+
+* ``"host"``: CPU replicas, one Numba launch.
+* ``"peer"``: every source GPU's memory is readable from the destination (peer access,
+  enabled once per pair through torch's own peer-access cache): one Triton launch on the
+  destination reads every copy directly.
+* ``"staged"``: otherwise, or when the allocator forbids raw peer pointers
+  (``cudaMallocAsync``, expandable segments): each other source is flattened on its own
+  device (one launch), copied to the destination (one async copy), and the same fused
+  K-way kernel then runs over local buffers.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+
+import numpy as np
+import torch
+
+from . import _cuda, _dispatch, _tuning
+from ._flatten import byte_layout, byte_views, flatten, pack_bytes, region
+from ._plan import ReduceGroup, check_tensor_list, plan_for
+from ._validate import check_conversion
+
+__all__ = [
+    "broadcast",
+    "broadcast_coalesced",
+    "gather",
+    "reduce_add",
+    "reduce_add_coalesced",
+    "reduce_path",
+    "scatter",
+]
+
+log = logging.getLogger("fastpar.comm")
+
+_DEFAULT_BUFFER = 10485760
+
+
+# ----------------------------------------------------------------------------- devices
+def _device(d, name: str) -> torch.device:
+    if isinstance(d, bool):
+        raise TypeError(f"{name} must be an int, str or torch.device, got bool {d!r}")
+    if isinstance(d, torch.device):
+        dev = d
+    elif isinstance(d, int):
+        dev = torch.device("cpu") if d == -1 else torch.device("cuda", d)
+    elif isinstance(d, str):
+        try:
+            dev = torch.device(d)
+        except RuntimeError as e:
+            raise ValueError(f"{name}: {d!r} is not a device ({e})") from None
+    else:
+        raise TypeError(f"{name} must be an int, str or torch.device, got {type(d).__name__} {d!r}")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name} must be a CUDA device or 'cpu', got {dev}")
+    return dev
+
+
+def _devices(devices, name: str) -> list[torch.device]:
+    if isinstance(devices, (str, int, torch.device)) or not isinstance(devices, (list, tuple)):
+        raise TypeError(f"{name} must be a list or tuple of devices, got {type(devices).__name__}")
+    if not devices:
+        raise ValueError(f"{name} must name at least one device, got an empty {type(devices).__name__}")
+    devs = [_device(d, f"{name}[{i}]") for i, d in enumerate(devices)]
+    _check_device_set(devs, name)
+    return devs
+
+
+def _check_device_set(devs, name: str) -> None:
+    types = {d.type for d in devs}
+    if len(types) > 1:
+        raise ValueError(f"{name} mixes CPU and CUDA devices ({[str(d) for d in devs]}); use one kind per call")
+    seen = {}
+    for i, d in enumerate(devs):
+        if d.type == "cuda":
+            if d in seen:
+                raise ValueError(f"{name} must not repeat a CUDA device: {d} is at positions {seen[d]} and {i}")
+            seen[d] = i
+
+
+def _destination(destination, devs, name: str = "destination") -> torch.device:
+    """The destination device: one of ``devs`` (default: the current CUDA device for
+    CUDA inputs, as torch, or the CPU for CPU replicas)."""
+    if destination is None:
+        dst = torch.device("cpu") if devs[0].type == "cpu" else torch.device("cuda", torch.cuda.current_device())
+    else:
+        dst = _device(destination, name)
+    if dst not in devs:
+        raise ValueError(
+            f"{name} must be one of the inputs' devices {sorted({str(d) for d in devs})}, got {dst}"
+        )
+    return dst
+
+
+def _check_tensor(t, name: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise TypeError(
+            f"{name} has layout {t.layout}; fastpar.comm takes dense tensors (torch.strided). "
+            "Reduce sparse gradients with torch.nn.parallel.comm, or densify them explicitly."
+        )
+
+
+# --------------------------------------------------------------------------- broadcast
+def broadcast(tensor, devices=None, *, out=None):
+    r"""Broadcast a tensor to the given devices.
+
+    Args:
+        tensor (Tensor): tensor to broadcast (a CUDA tensor, or a CPU tensor for CPU
+            replicas).
+        devices (Iterable[torch.device, str or int], optional): devices to copy to;
+            the entry equal to ``tensor``'s device gets ``tensor`` itself.
+        out (Sequence[Tensor], optional, keyword-only): tensors to copy into instead.
+
+    .. note:: Exactly one of :attr:`devices` and :attr:`out` must be given.
+
+    Returns:
+        a tuple with one tensor per device (or ``out``).
+    """
+    _check_tensor(tensor, "tensor")
+    if (devices is None) == (out is None):
+        raise RuntimeError(
+            f"Exactly one of 'devices' and 'out' must be specified, but got devices={devices} and out={out}"
+        )
+    if devices is not None:
+        devs = _devices(devices, "devices")
+        result, own_used = [], False
+        for d in devs:
+            if d == tensor.device and not own_used:
+                result.append(tensor)
+                own_used = True
+            else:
+                result.append(tensor.to(d, copy=True))
+        return tuple(result)
+    outs = _out_list(out, "out")
+    for i, o in enumerate(outs):
+        if o.shape != tensor.shape or o.dtype != tensor.dtype:
+            raise ValueError(
+                f"out[{i}] must match tensor (shape {tuple(tensor.shape)}, {tensor.dtype}), "
+                f"got shape {tuple(o.shape)}, {o.dtype}"
+            )
+    for o in outs:
+        o.copy_(tensor)
+    return tuple(outs)
+
+
+def _out_list(out, name: str) -> list:
+    if not isinstance(out, (list, tuple)) or not out:
+        raise TypeError(f"{name} must be a non-empty list or tuple of tensors, got {type(out).__name__}")
+    for i, o in enumerate(out):
+        _check_tensor(o, f"{name}[{i}]")
+    return list(out)
+
+
+def broadcast_coalesced(tensors, devices, buffer_size=_DEFAULT_BUFFER):
+    r"""Broadcast a sequence of tensors to the given devices.
+
+    The tensors are flattened once on the source (one kernel launch per dtype), copied
+    once to each other device, and returned there as views of that copy, so each
+    device's outputs share one contiguous storage.
+
+    Args:
+        tensors (sequence): tensors to broadcast; all must be on ``devices[0]``.
+        devices (Iterable[torch.device, str or int]): devices to copy to.
+        buffer_size (int): accepted for compatibility with torch (torch copies in
+            chunks of at most this many bytes); fastpar always makes one buffer.
+
+    Returns:
+        A list with one list of tensors per device; ``result[0]`` holds ``tensors``
+        themselves. The copies do not require grad.
+    """
+    devs = _devices(devices, "devices")
+    _check_buffer_size(buffer_size)
+    plan = plan_for(tensors, "tensors")
+    if plan.device != devs[0]:
+        raise ValueError(f"tensors must be on devices[0] ({devs[0]}), got tensors on {plan.device}")
+    result = [list(plan.tensors)]
+    if len(devs) == 1:
+        return result
+    layout, nbytes = byte_layout(plan)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=plan.device)
+    pack_bytes(plan, src, layout)
+    for d in devs[1:]:
+        buf = src.to(d, copy=True, non_blocking=d.type == "cuda")
+        result.append(byte_views(buf, plan, layout))
+    return result
+
+
+def _check_buffer_size(buffer_size) -> None:
+    if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size <= 0:
+        raise ValueError(f"buffer_size must be a positive int, got {buffer_size!r}")
+
+
+# ------------------------------------------------------------------------------ reduce
+def reduce_path(devices, destination) -> str:
+    """``"host"``, ``"peer"`` or ``"staged"``: how a reduction from ``devices`` onto
+    ``destination`` runs (see the module docstring)."""
+    devs = [_device(d, "devices") for d in devices]
+    dst = _device(destination, "destination")
+    if dst.type == "cpu":
+        return "host"
+    return "peer" if _cuda.enable_peer_access(dst, devs) else "staged"
+
+
+def reduce_add(inputs, destination=None):
+    r"""Sum tensors from multiple devices, in one kernel launch.
+
+    Args:
+        inputs (Iterable[Tensor]): tensors to add, one per device (same shape and dtype).
+        destination (int, str or torch.device, optional): device for the result, one of
+            the inputs' devices (default: the current CUDA device, or the CPU for CPU
+            replicas).
+
+    Returns:
+        A tensor on ``destination`` holding the element-wise sum (16-bit floats are
+        accumulated in float32 and rounded once).
+    """
+    tensors = _checked_any_device(inputs, "inputs")
+    devs = [t.device for t in tensors]
+    _check_device_set(devs, "inputs' devices")
+    t0 = tensors[0]
+    for i, t in enumerate(tensors[1:], 1):
+        if t.shape != t0.shape or t.dtype != t0.dtype:
+            raise ValueError(
+                f"inputs[{i}] (on {t.device}) has shape {tuple(t.shape)} and dtype {t.dtype}, but inputs[0] "
+                f"(on {t0.device}) has shape {tuple(t0.shape)} and dtype {t0.dtype}"
+            )
+    dst = _destination(destination, devs)
+    check_conversion(t0.dtype, t0.dtype, 1.0 if t0.dtype.is_floating_point else None, "reduce_add")
+    [result] = reduce_add_coalesced([[t] for t in tensors], dst)
+    return result
+
+
+def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, *, out=None):
+    r"""Sum tensors from multiple devices, position by position, in one kernel launch
+    per dtype.
+
+    Args:
+        inputs (Iterable[Iterable[Tensor]]): one list of tensors per device; the lists
+            have the same length and, at each position, the same shape and dtype.
+        destination (int, str or torch.device, optional): device for the results, one
+            of the inputs' devices (default: the current CUDA device, or the CPU).
+        buffer_size (int): accepted for compatibility with torch (torch reduces in
+            chunks of at most this many bytes); fastpar reduces everything at once.
+        out (Sequence[Tensor], optional, keyword-only): contiguous tensors on
+            ``destination`` to write the sums into in place (e.g. the ``.grad`` tensors of
+            the source module); they must not overlap the inputs.
+
+    Returns:
+        A list of tensors on ``destination``, in input order: ``out`` if given, else views
+        of one new buffer. 16-bit floats are accumulated in float32 and rounded once.
+    """
+    _check_buffer_size(buffer_size)
+    if not isinstance(inputs, (list, tuple)) or not inputs:
+        raise TypeError(f"inputs must be a non-empty list of per-device tensor lists, got {inputs!r:.80}")
+    plans = [plan_for(lst, f"inputs[{k}]") for k, lst in enumerate(inputs)]
+    devs = [p.device for p in plans]
+    _check_device_set(devs, "inputs' devices")
+    _check_same_layout(plans)
+    dst = _destination(destination, devs)
+    for g in plans[0].groups:
+        check_conversion(g.dtype, g.dtype, 1.0 if g.dtype.is_floating_point else None, "reduce_add_coalesced")
+    if out is not None:
+        out_plan = _check_out(out, plans[0], plans, dst)
+    # -- validated: from here on, launches.
+    if dst.type == "cpu":
+        path = "host"
+    else:
+        path = "peer" if _cuda.enable_peer_access(dst, devs) else "staged"
+    log.debug("reduce_add_coalesced: %d sources -> %s, %s path", len(plans), dst, path)
+    if out is None:
+        layout, nbytes = byte_layout(plans[0])
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=dst)
+        dst_addr = [buf.data_ptr() + off + g.local_offsets * g.dtype.itemsize for g, off in zip(plans[0].groups, layout)]
+        dst_tensors = [_region_views(buf, g, off) for g, off in zip(plans[0].groups, layout)]
+    else:
+        dst_addr = [g.addrs for g in out_plan.groups]
+        dst_tensors = [list(g.tensors) for g in out_plan.groups]
+    sources, keep_alive = _source_addresses(plans, dst, path)
+    if dst.type == "cuda":
+        _cuda.wait_for(dst, devs)
+    backend, launch = _dispatch.kernel("reduce_add", dst)
+    for gi, g in enumerate(plans[0].groups):
+        group = ReduceGroup(
+            g.dtype, dst, np.stack([s[gi] for s in sources]), dst_addr[gi], g.numels,
+            [kept[gi] for kept in keep_alive], dst_tensors[gi], g._blocks,
+        )
+        launch(group, **_tuning.params("reduce_add", backend, g.dtype, g.dtype, g.numel))
+    if dst.type == "cuda":
+        _cuda.release_to(dst, devs)
+    if out is not None:
+        torch.autograd.graph.increment_version(out_plan.tensors)
+        return list(out)
+    return byte_views(buf, plans[0], layout)
+
+
+def _region_views(buf, group, byte_offset) -> list:
+    """Views of ``group``'s region of ``buf`` shaped like its tensors."""
+    return list(torch._utils._unflatten_dense_tensors(region(buf, group, byte_offset), list(group.tensors)))
+
+
+def _check_same_layout(plans) -> None:
+    p0 = plans[0]
+    for k, p in enumerate(plans[1:], 1):
+        if len(p.tensors) != len(p0.tensors):
+            raise ValueError(
+                f"inputs[{k}] (on {p.device}) has {len(p.tensors)} tensors but inputs[0] (on {p0.device}) "
+                f"has {len(p0.tensors)}; every device must hold the same list"
+            )
+        if p.dtypes != p0.dtypes or not np.array_equal(p.numels, p0.numels) or _shapes(p) != _shapes(p0):
+            i = next(i for i, (a, b) in enumerate(zip(p.tensors, p0.tensors)) if a.shape != b.shape or a.dtype != b.dtype)
+            raise ValueError(
+                f"position {i}: inputs[{k}][{i}] on {p.device} has shape {tuple(p.tensors[i].shape)} "
+                f"({p.dtypes[i]}) but inputs[0][{i}] on {p0.device} has shape {tuple(p0.tensors[i].shape)} "
+                f"({p0.dtypes[i]})"
+            )
+
+
+def _shapes(plan) -> tuple:
+    # torch.Size objects are slow to make (~1 us each): once per plan.
+    shapes = getattr(plan, "_shapes", None)
+    if shapes is None:
+        shapes = plan._shapes = tuple(t.shape for t in plan.tensors)
+    return shapes
+
+
+def _check_out(out, p0, plans, dst):
+    out_plan = plan_for(out, "out")
+    if out_plan.device != dst:
+        raise ValueError(f"out must be on the destination {dst}, got tensors on {out_plan.device}")
+    if len(out_plan.tensors) != len(p0.tensors):
+        raise ValueError(f"out must hold {len(p0.tensors)} tensors (one per input position), got {len(out_plan.tensors)}")
+    if out_plan.dtypes != p0.dtypes or _shapes(out_plan) != _shapes(p0):
+        i = next(i for i, (a, b) in enumerate(zip(out_plan.tensors, p0.tensors)) if a.shape != b.shape or a.dtype != b.dtype)
+        raise ValueError(
+            f"out[{i}] has shape {tuple(out_plan.tensors[i].shape)} ({out_plan.dtypes[i]}) but the inputs at "
+            f"position {i} have shape {tuple(p0.tensors[i].shape)} ({p0.dtypes[i]})"
+        )
+    if len(out_plan.noncontig):
+        i = int(out_plan.noncontig[0])
+        raise ValueError(f"out[{i}] must be contiguous (the kernel writes it in place), got strides {out_plan.tensors[i].stride()}")
+    for k, p in enumerate(plans):
+        for i, t in enumerate(out_plan.tensors):
+            j = p.overlaps(t)
+            if j >= 0:
+                raise ValueError(f"out[{i}] overlaps the memory of inputs[{k}][{j}]; out must be separate buffers")
+    return out_plan
+
+
+def _source_addresses(plans, dst, path):
+    """Per source, per dtype group: the int64 addresses the kernel reads, and the tensors
+    that must stay alive until it has. Non-contiguous inputs, and on the staged path
+    every other device's list, go through one flat buffer on ``dst``."""
+    addrs, keep = [], []
+    for p in plans:
+        if (path == "staged" and p.device != dst) or len(p.noncontig):
+            layout, nbytes = byte_layout(p)
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=p.device)
+            pack_bytes(p, buf, layout)  # one launch per dtype on the source device
+            if p.device != dst:
+                buf = buf.to(dst, non_blocking=True)  # one async copy per source
+            addrs.append([buf.data_ptr() + off + g.local_offsets * g.dtype.itemsize for g, off in zip(p.groups, layout)])
+            keep.append([_region_views(buf, g, off) for g, off in zip(p.groups, layout)])
+        else:
+            addrs.append([g.addrs for g in p.groups])
+            keep.append([list(g.tensors) for g in p.groups])
+    return addrs, keep
+
+
+# ------------------------------------------------------------------------ scatter/gather
+def scatter(tensor, devices=None, chunk_sizes=None, dim=0, streams=None, *, out=None):
+    r"""Scatter a tensor across devices along ``dim``.
+
+    Args:
+        tensor (Tensor): tensor to scatter.
+        devices (Iterable[torch.device, str or int], optional): devices to scatter to.
+        chunk_sizes (Iterable[int], optional): sizes of the chunks; they must sum to
+            ``tensor.size(dim)``. Default: ``tensor.chunk(len(devices), dim)``.
+        dim (int, optional): dimension to chunk along. Default: ``0``.
+        streams (Iterable[torch.cuda.Stream], optional): streams to copy on.
+        out (Sequence[Tensor], optional, keyword-only): tensors to copy into; their
+            sizes along ``dim`` give the chunk sizes.
+
+    .. note:: Exactly one of :attr:`devices` and :attr:`out` must be given; a chunk that
+        is already on its target device is returned as a view, not a copy.
+
+    Returns:
+        a tuple of chunks, one per device (or ``out``).
+    """
+    _check_tensor(tensor, "tensor")
+    if (devices is None) == (out is None):
+        raise RuntimeError(
+            f"Exactly one of 'devices' and 'out' must be specified, but got devices={devices} and out={out}"
+        )
+    if tensor.dim() == 0:
+        raise ValueError("tensor must have at least one dimension to scatter, got a 0-dim tensor")
+    dim = _dim(dim, tensor.dim())
+    size = tensor.size(dim)
+    if out is not None:
+        outs = _out_list(out, "out")
+        if chunk_sizes is not None:
+            raise RuntimeError("'chunk_sizes' must not be specified when 'out' is specified")
+        sizes = [o.size(dim) if o.dim() == tensor.dim() else -1 for o in outs]
+        for i, o in enumerate(outs):
+            expected = list(tensor.shape)
+            expected[dim] = sizes[i]
+            if o.dim() != tensor.dim() or list(o.shape) != expected or o.dtype != tensor.dtype:
+                raise ValueError(
+                    f"out[{i}] must have tensor's shape {tuple(tensor.shape)} except along dim {dim} and dtype "
+                    f"{tensor.dtype}, got shape {tuple(o.shape)}, {o.dtype}"
+                )
+        if sum(sizes) != size:
+            raise ValueError(f"the sizes of out along dim {dim} must sum to {size}, got {sizes} (sum {sum(sizes)})")
+        for o, chunk in zip(outs, tensor.split(sizes, dim)):
+            o.copy_(chunk, non_blocking=True)
+        return tuple(outs)
+    devs = _devices(devices, "devices")
+    if chunk_sizes is None:
+        chunks = tensor.chunk(len(devs), dim)
+        if len(chunks) < len(devs):
+            warnings.warn(
+                f"scatter: {size} rows along dim {dim} cannot fill {len(devs)} devices; "
+                f"only the first {len(chunks)} get a chunk"
+            )
+        devs = devs[: len(chunks)]
+    else:
+        sizes = list(chunk_sizes)
+        if len(sizes) != len(devs):
+            raise ValueError(f"chunk_sizes must have one entry per device ({len(devs)}), got {len(sizes)}")
+        if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in sizes):
+            raise ValueError(f"chunk_sizes must be non-negative ints, got {sizes}")
+        if sum(sizes) != size:
+            raise ValueError(
+                f"chunk_sizes must sum to tensor.size({dim}) = {size}, got {sizes} (sum {sum(sizes)})"
+            )
+        chunks = tensor.split(sizes, dim)
+    if streams is not None and len(streams) != len(devs):
+        raise ValueError(f"streams must have one entry per device ({len(devs)}), got {len(streams)}")
+    result = []
+    for i, (chunk, d) in enumerate(zip(chunks, devs)):
+        if chunk.device == d:
+            result.append(chunk)  # already there: a view, not a copy
+        elif streams is not None and streams[i] is not None:
+            with torch.cuda.stream(streams[i]):
+                result.append(chunk.to(d, non_blocking=True))
+        else:
+            result.append(chunk.to(d, non_blocking=True))
+    return tuple(result)
+
+
+def _dim(dim, ndim: int) -> int:
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -ndim <= dim < ndim:
+        raise ValueError(f"dim must be an int in [{-ndim}, {ndim}), got {dim!r}")
+    return dim % ndim
+
+
+def gather(tensors, dim=0, destination=None, *, out=None):
+    r"""Gather tensors from multiple devices, concatenated along ``dim``.
+
+    Args:
+        tensors (Iterable[Tensor]): tensors to gather; sizes in every dimension other
+            than ``dim`` must match.
+        dim (int, optional): dimension to concatenate along. Default: ``0``.
+        destination (torch.device, str, or int, optional): output device (``-1`` means
+            CPU; default: the current CUDA device, or the CPU for CPU tensors).
+        out (Tensor, optional, keyword-only): tensor to gather into.
+
+    .. note:: 0-dim tensors gathered along dim 0 are unsqueezed into a vector, with a
+        warning, as ``torch.nn.DataParallel`` does.
+
+    Returns:
+        ``out`` if given, else a new tensor on ``destination``.
+    """
+    ts = list(_checked_any_device(tensors, "tensors"))
+    if all(t.dim() == 0 for t in ts):
+        warnings.warn(
+            "Was asked to gather along dimension 0, but all input tensors were scalars; "
+            "will instead unsqueeze and return a vector."
+        )
+        ts = [t.view(1) for t in ts]
+    ndim = ts[0].dim()
+    dim = _dim(dim, max(ndim, 1))
+    t0 = ts[0]
+    for i, t in enumerate(ts):
+        if t.dim() != ndim or t.dtype != t0.dtype or any(
+            a != b for j, (a, b) in enumerate(zip(t.shape, t0.shape)) if j != dim
+        ):
+            raise ValueError(
+                f"tensors[{i}] (on {t.device}) has shape {tuple(t.shape)} ({t.dtype}), incompatible with "
+                f"tensors[0] (on {t0.device}) shape {tuple(t0.shape)} ({t0.dtype}) outside dim {dim}"
+            )
+    shape = list(t0.shape)
+    shape[dim] = sum(t.size(dim) for t in ts)
+    if out is not None:
+        if destination is not None:
+            raise RuntimeError("'destination' must not be specified when 'out' is specified")
+        _check_tensor(out, "out")
+        if list(out.shape) != shape or out.dtype != t0.dtype:
+            raise ValueError(f"out must have shape {tuple(shape)} and dtype {t0.dtype}, got {tuple(out.shape)}, {out.dtype}")
+        dst = out.device
+    else:
+        devs = [t.device for t in ts]
+        if destination is None:
+            dst = torch.device("cpu") if devs[0].type == "cpu" else torch.device("cuda", torch.cuda.current_device())
+        else:
+            dst = _device(destination, "destination")
+        out = torch.empty(shape, dtype=t0.dtype, device=dst)
+    if dim == 0 and out.is_contiguous() and all(t.device == dst for t in ts) and out.numel():
+        # Rows of a contiguous result along dim 0 are the inputs laid end to end: one
+        # flatten launch instead of one copy per input.
+        flatten(ts, out=out.view(-1))
+        return out
+    off = 0
+    for t in ts:
+        out.narrow(dim, off, t.size(dim)).copy_(t, non_blocking=True)
+        off += t.size(dim)
+    return out
+
+
+def _checked_any_device(tensors, name: str):
+    """A non-empty list of dense tensors, on any devices."""
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
+    if not tensors:
+        raise ValueError(f"{name} must contain at least one tensor, got an empty {type(tensors).__name__}")
+    for i, t in enumerate(tensors):
+        _check_tensor(t, f"{name}[{i}]")
+    return tensors

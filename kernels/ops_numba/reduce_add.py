@@ -1,0 +1,80 @@
+"""Numba K-way reduce-add: ``dst[t] = src[0][t] + ... + src[K-1][t]`` for N tensors in
+one launch, accumulating in float32 for 16-bit floats (float64 for float64, int64 for
+integers), each destination element written once."""
+from __future__ import annotations
+
+import functools
+
+import numba
+import numpy as np
+import torch
+
+from .. import _launch
+from . import _common as C
+
+#: Elements per parallel iteration; its float accumulator (64 KB) stays in L2.
+DEFAULT_CHUNK = 16384
+#: Below this many bytes moved, run on the calling thread (see flatten.py).
+DEFAULT_PARALLEL_MIN_BYTES = 4 << 20
+
+_ACCUMULATOR = {
+    torch.float16: np.float32, torch.bfloat16: np.float32, torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.int64: np.int64, torch.int32: np.int64, torch.int16: np.int64, torch.int8: np.int64,
+    torch.uint8: np.int64,
+}
+
+
+@functools.cache
+def _reduce_kernel_for(kind: str, parallel: bool):
+    load = C.LOADS[kind]
+    store = C.STORES[kind]
+
+    @numba.njit(parallel=parallel, nogil=True)
+    def _reduce_add_kernel(
+        src_addrs,  # int64[K, N]: address of tensor t in source k
+        dst_addrs,  # int64[N]: address of destination tensor t
+        numels,  # int64[N]: elements per tensor
+        block_tensor,  # int32[B]: tensor each block reduces
+        block_start,  # int64[B]: first element of that tensor the block reduces
+        scratch,  # [threads, chunk] accumulator rows, one per worker thread
+        proto,  # empty array: its dtype is the storage type
+    ):
+        size = proto.itemsize
+        n_src = src_addrs.shape[0]
+        chunk = scratch.shape[1]
+        for b in numba.prange(block_tensor.shape[0]):
+            t = block_tensor[b]
+            lo = block_start[b]
+            m = min(chunk, numels[t] - lo)
+            acc = scratch[numba.get_thread_id()]
+            # Unsigned indices let LLVM vectorise (no negative-index wrap-around).
+            s = numba.carray(C.address_as_pointer(src_addrs[0, t] + lo * size, proto), (m,))
+            for i in range(np.uint64(m)):
+                acc[i] = load(s, i)
+            for k in range(1, n_src):
+                s = numba.carray(C.address_as_pointer(src_addrs[k, t] + lo * size, proto), (m,))
+                for i in range(np.uint64(m)):
+                    acc[i] += load(s, i)
+            d = numba.carray(C.address_as_pointer(dst_addrs[t] + lo * size, proto), (m,))
+            for i in range(np.uint64(m)):
+                store(d, i, acc[i])
+
+    return _reduce_add_kernel
+
+
+def reduce_add(group, *, chunk: int = DEFAULT_CHUNK, parallel_min_bytes: int = DEFAULT_PARALLEL_MIN_BYTES) -> None:
+    """Write ``sum_k src[k][t]`` into every destination ``t`` of ``group`` (a
+    :class:`fastpar._plan.ReduceGroup`). One launch."""
+    block_tensor, block_start = group.blocks(chunk)
+    if len(block_tensor) == 0:
+        return
+    kind, storage = C.KINDS[group.dtype]
+    parallel = group.numel * group.dtype.itemsize * (group.n_sources + 1) >= parallel_min_bytes
+    threads = numba.get_num_threads() if parallel else 1
+    scratch = np.empty((threads, chunk), _ACCUMULATOR[group.dtype])
+    _reduce_kernel_for(kind, parallel)(
+        group.src_addrs, group.dst_addrs, group.numels, block_tensor, block_start, scratch,
+        np.empty(0, storage),
+    )
+    _launch.launches.record("numba", "reduce_add")

@@ -1,0 +1,275 @@
+"""fastpar.comm against float64 torch references, with CPU device lists (numba, the
+Triton interpreter and the torch reference), plus CUDA tests that a multi-GPU machine
+runs unchanged."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from conftest import FLOAT_DTYPES, HAS_CUDA, TOL, assert_close, poison_, rand
+
+import fastpar
+from fastpar import comm
+
+MIXED_SHAPES = [((5, 3), torch.float32), ((7,), torch.float64), ((), torch.float32), ((0,), torch.float32),
+                ((9,), torch.bfloat16), ((3, 3), torch.float16), ((4,), torch.int64), ((1030,), torch.float32)]
+
+
+def replicas(k, shapes=MIXED_SHAPES):
+    """K independent per-device lists (fresh random values each)."""
+    return [[rand(s, d) for s, d in shapes] for _ in range(k)]
+
+
+def ref_sum(lists):
+    return [sum(lst[i].to(torch.float64) for lst in lists) for i in range(len(lists[0]))]
+
+
+def reduce_tol(dtype, k):
+    """Sum of K values rounded once: the result dtype's tolerance scaled by the magnitude."""
+    rtol, atol = TOL[dtype]
+    return (rtol, atol * k)
+
+
+# ------------------------------------------------------------------------ reduce_add
+@pytest.mark.parametrize("k", [1, 2, 3, 8])
+def test_reduce_add_coalesced_matches_float64(backend, k):
+    lists = replicas(k)
+    result = comm.reduce_add_coalesced(lists, "cpu")
+    assert len(result) == len(MIXED_SHAPES)
+    for i, (r, e) in enumerate(zip(result, ref_sum(lists))):
+        assert r.dtype == lists[0][i].dtype and r.shape == lists[0][i].shape
+        assert_close(r, e, what=f"position {i}", tol=reduce_tol(r.dtype, k))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_reduce_add_fp16_bf16_accumulate_in_fp32(backend, dtype):
+    # Many small values: pairwise 16-bit adds would drift; one rounding at the end does not.
+    lists = [[torch.full((1000,), 0.01, dtype=dtype) for _ in range(1)] for _ in range(8)]
+    [r] = comm.reduce_add_coalesced(lists, "cpu")
+    exact = (torch.full((1000,), 0.01, dtype=dtype).double() * 8).to(dtype)
+    assert torch.equal(r, exact), f"{dtype}: expected one rounding of the fp32 sum"
+
+
+def test_reduce_add_coalesced_into_out(backend):
+    lists = replicas(3)
+    out = [poison_(torch.empty(s, dtype=d)) for s, d in MIXED_SHAPES]
+    res = comm.reduce_add_coalesced(lists, "cpu", out=out)
+    assert all(a is b for a, b in zip(res, out))
+    for i, (o, e) in enumerate(zip(out, ref_sum(lists))):
+        assert_close(o, e, what=f"out[{i}]", tol=reduce_tol(o.dtype, 3))
+
+
+def test_reduce_add_coalesced_noncontiguous_inputs(backend):
+    base = [rand((6, 4), torch.float32) for _ in range(3)]
+    lists = [[b.t(), b[:, 1]] for b in base]
+    res = comm.reduce_add_coalesced(lists, "cpu")
+    for r, e in zip(res, ref_sum(lists)):
+        assert_close(r, e, tol=reduce_tol(torch.float32, 3))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("be", ["numba", "triton"])
+def test_reduce_add_thousand_tensors_one_launch(be):
+    n = 1000 if be == "triton" else 10_000
+    gen = torch.Generator().manual_seed(3)
+    sizes = torch.randint(0, 40, (n,), generator=gen).tolist()
+    lists = [[rand((s,), torch.float32, gen=gen) for s in sizes] for _ in range(4)]
+    with fastpar.use_backend(be), fastpar.count_launches() as launches:
+        res = comm.reduce_add_coalesced(lists, "cpu")
+    assert launches.total == 1
+    assert_close(torch.cat(res), torch.cat(ref_sum(lists)), tol=reduce_tol(torch.float32, 4))
+
+
+@pytest.mark.parametrize("be", ["numba", "triton"])
+@pytest.mark.parametrize("n", [1, 10, 300])
+def test_reduce_launch_count_one_per_destination(be, n):
+    lists = [[torch.randn(5) for _ in range(n)] for _ in range(3)]
+    with fastpar.use_backend(be), fastpar.count_launches() as launches:
+        comm.reduce_add_coalesced(lists, "cpu")
+    assert launches.total == 1, launches.by_op
+
+
+def test_reduce_add_single(backend):
+    ts = [rand((4, 5), torch.float32) for _ in range(3)]
+    r = comm.reduce_add(ts, "cpu")
+    assert_close(r, sum(t.double() for t in ts), tol=reduce_tol(torch.float32, 3))
+    assert comm.reduce_add(ts).device.type == "cpu"
+
+
+def test_host_path_logged(caplog):
+    with caplog.at_level(logging.DEBUG, logger="fastpar.comm"):
+        comm.reduce_add_coalesced([[torch.ones(2)], [torch.ones(2)]], "cpu")
+    assert "host path" in caplog.text
+    assert comm.reduce_path(["cpu", "cpu"], "cpu") == "host"
+
+
+# ------------------------------------------------------------------------- broadcast
+def test_broadcast_coalesced_shares_one_storage_per_device(backend):
+    ts = [rand(s, d) for s, d in MIXED_SHAPES] + [rand((6, 4), torch.float32).t()]
+    outs = comm.broadcast_coalesced(ts, ["cpu", "cpu", "cpu"])
+    assert len(outs) == 3
+    assert all(a is b for a, b in zip(outs[0], ts)), "outputs[0] are the inputs themselves"
+    for d in (1, 2):
+        assert all(torch.equal(a, b) for a, b in zip(outs[d], ts))
+        assert all(not o.requires_grad for o in outs[d])
+        storages = {o.untyped_storage().data_ptr() for o in outs[d] if o.numel()}  # (empty views own no memory)
+        assert len(storages) == 1, "one contiguous storage per destination"
+    assert outs[1][0].untyped_storage().data_ptr() != outs[2][0].untyped_storage().data_ptr()
+
+
+def test_broadcast_coalesced_then_reduce_returns_k_times(backend):
+    ts = [rand(s, d) for s, d in MIXED_SHAPES]
+    outs = comm.broadcast_coalesced(ts, ["cpu"] * 4)
+    for r, t in zip(comm.reduce_add_coalesced(outs, "cpu"), ts):
+        assert_close(r, t.double() * 4, tol=reduce_tol(t.dtype, 4))
+
+
+def test_broadcast_coalesced_one_flatten_launch():
+    ts = [torch.randn(3) for _ in range(500)]
+    with fastpar.use_backend("numba"), fastpar.count_launches() as n:
+        comm.broadcast_coalesced(ts, ["cpu"] * 4)
+    assert n.total == 1
+
+
+def test_broadcast():
+    t = torch.randn(3, 2)
+    res = comm.broadcast(t, ["cpu", "cpu"])
+    assert res[0] is t and res[1] is not t and torch.equal(res[1], t)
+    out = [torch.empty(3, 2), torch.empty(3, 2)]
+    assert comm.broadcast(t, out=out)[1] is out[1] and torch.equal(out[1], t)
+
+
+# ------------------------------------------------------------------- scatter / gather
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_scatter_gather_round_trip(dim):
+    x = rand((10, 9, 2), torch.float32)
+    chunks = comm.scatter(x, ["cpu"] * 3, dim=dim)
+    assert [c.size(dim) for c in chunks] == [t.size(dim) for t in x.chunk(3, dim)]
+    assert torch.equal(comm.gather(chunks, dim, "cpu"), x)
+
+
+def test_scatter_chunk_sizes_and_views():
+    x = torch.randn(10, 3)
+    chunks = comm.scatter(x, ["cpu"] * 3, chunk_sizes=[2, 0, 8])
+    assert [c.shape[0] for c in chunks] == [2, 0, 8]
+    assert chunks[0].data_ptr() == x.data_ptr(), "a chunk already on its device is a view"
+
+
+def test_scatter_default_is_tensor_chunk():
+    assert [c.shape[0] for c in comm.scatter(torch.randn(10), ["cpu"] * 3)] == [4, 4, 2]
+
+
+def test_gather_dim0_is_one_launch():
+    ts = [torch.randn(3, 4) for _ in range(5)]
+    with fastpar.use_backend("numba"), fastpar.count_launches() as n:
+        g = comm.gather(ts, 0, "cpu")
+    assert n.total == 1 and torch.equal(g, torch.cat(ts))
+
+
+def test_gather_scalars_warns_and_unsqueezes():
+    with pytest.warns(UserWarning, match="all input tensors were scalars"):
+        g = comm.gather([torch.tensor(1.0), torch.tensor(2.0)], 0, "cpu")
+    assert torch.equal(g, torch.tensor([1.0, 2.0]))
+
+
+def test_gather_out():
+    ts = [torch.randn(2, 3), torch.randn(1, 3)]
+    out = poison_(torch.empty(3, 3))
+    assert comm.gather(ts, out=out) is out and torch.equal(out, torch.cat(ts))
+
+
+# --------------------------------------------------------------------------- bad input
+def test_reduce_bad_inputs_write_nothing():
+    a = [torch.randn(2), torch.randn(3)]
+    out = [poison_(torch.empty(2)), poison_(torch.empty(3))]
+    cases = [
+        (([a, a[:1]], "cpu"), {}, ValueError, r"inputs\[1\] .* has 1 tensors but inputs\[0\] .* has 2"),
+        (([a, [torch.randn(2), torch.randn(4)]], "cpu"), {}, ValueError, r"position 1: inputs\[1\]\[1\] on cpu has shape \(4,\).*inputs\[0\]\[1\] on cpu has shape \(3,\)"),
+        (([a, [torch.randn(2), torch.randn(3, dtype=torch.float64)]], "cpu"), {}, ValueError, "position 1"),
+        (([a, a], 1), {}, ValueError, r"destination must be one of the inputs. devices \[.cpu.\], got cuda:1"),
+        (([], "cpu"), {}, TypeError, "non-empty list"),
+        (([a, a], "cpu"), {"out": [torch.empty(2)]}, ValueError, "out must hold 2 tensors"),
+        (([a, a], "cpu"), {"out": [torch.empty(2), torch.empty(4)]}, ValueError, r"out\[1\] has shape \(4,\)"),
+        (([a, a], "cpu"), {"out": [torch.empty(2), torch.empty(3, 2)[:, 0]]}, ValueError, r"out\[1\] must be contiguous"),
+        (([a, a], "cpu"), {"out": [a[0], torch.empty(3)]}, ValueError, r"out\[0\] overlaps the memory of inputs\[0\]\[0\]"),
+        (([a, [torch.randn(2), torch.eye(3).to_sparse()]], "cpu"), {}, TypeError, "layout torch.sparse_coo"),
+        (([a, a], "cpu"), {"buffer_size": 0}, ValueError, "buffer_size must be a positive int"),
+    ]
+    for args, kwargs, exc, match in cases:
+        kwargs = dict(kwargs)
+        kwargs.setdefault("out", out)
+        if kwargs["out"] is None:
+            del kwargs["out"]
+        with pytest.raises(exc, match=match):
+            comm.reduce_add_coalesced(*args, **kwargs)
+        assert all(o.isnan().all() for o in out), f"{match}: a rejected call wrote into out"
+
+
+def test_reduce_add_bad_inputs():
+    with pytest.raises(ValueError, match=r"inputs\[1\] \(on cpu\) has shape \(3,\)"):
+        comm.reduce_add([torch.randn(2), torch.randn(3)], "cpu")
+    with pytest.raises(TypeError, match=r"inputs\[1\] must be a torch.Tensor"):
+        comm.reduce_add([torch.randn(2), [1, 2]], "cpu")
+
+
+def test_device_validation():
+    with pytest.raises(ValueError, match="must not repeat a CUDA device: cuda:0 is at positions 0 and 1"):
+        comm._devices([0, "cuda:0"], "devices")
+    with pytest.raises(ValueError, match="mixes CPU and CUDA"):
+        comm._devices(["cpu", 0], "devices")
+    with pytest.raises(TypeError, match="devices must be a list"):
+        comm.broadcast_coalesced([torch.randn(2)], "cpu")
+    with pytest.raises(TypeError, match=r"devices\[1\] must be an int, str or torch.device, got float"):
+        comm._devices(["cpu", 1.5], "devices")
+    assert comm._devices(["cpu", torch.device("cpu")], "devices") == [torch.device("cpu")] * 2
+
+
+def test_scatter_gather_bad_input():
+    x = torch.randn(10, 3)
+    with pytest.raises(ValueError, match=r"chunk_sizes must sum to tensor.size\(0\) = 10, got \[2, 3\]"):
+        comm.scatter(x, ["cpu", "cpu"], chunk_sizes=[2, 3])
+    with pytest.raises(RuntimeError, match="Exactly one of 'devices' and 'out'"):
+        comm.scatter(x)
+    with pytest.raises(ValueError, match=r"tensors\[1\] .* has shape \(2, 4\)"):
+        comm.gather([torch.randn(2, 3), torch.randn(2, 4)], 0, "cpu")
+    out = poison_(torch.empty(5, 3))
+    with pytest.raises(ValueError, match="out must have shape"):
+        comm.gather([torch.randn(2, 3), torch.randn(2, 3)], out=out)
+    assert out.isnan().all()
+
+
+# ------------------------------------------------------------------ CUDA (multi-GPU)
+needs_2_gpus = pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs 2+ CUDA devices")
+
+
+@needs_2_gpus
+@pytest.mark.parametrize("staged", [False, True], ids=["peer", "staged"])
+def test_cuda_reduce_add_coalesced(staged, monkeypatch):
+    from fastpar import _cuda
+
+    if staged:
+        monkeypatch.setattr(_cuda, "allocator_allows_peer_pointers", lambda: False)
+    n = torch.cuda.device_count()
+    lists = [[rand(s, d, device=f"cuda:{i}") for s, d in MIXED_SHAPES] for i in range(n)]
+    path = comm.reduce_path([f"cuda:{i}" for i in range(n)], "cuda:0")
+    assert path == ("staged" if staged else path)
+    res = comm.reduce_add_coalesced(lists, 0)
+    for r, e in zip(res, ref_sum([[t.cpu() for t in lst] for lst in lists])):
+        assert r.device == torch.device("cuda:0")
+        assert_close(r, e, tol=reduce_tol(r.dtype, n))
+
+
+@needs_2_gpus
+def test_cuda_broadcast_coalesced_matches_torch():
+    ts = [rand(s, d, device="cuda:0") for s, d in MIXED_SHAPES]
+    ours = comm.broadcast_coalesced(ts, [0, 1])
+    theirs = torch.nn.parallel.comm.broadcast_coalesced(ts, [0, 1])
+    for a, b in zip(ours[1], theirs[1]):
+        assert a.device == b.device and torch.equal(a, b)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_cuda_single_device_reduce():
+    ts = [torch.randn(100, device="cuda")] * 2
+    assert torch.allclose(comm.reduce_add(ts, 0), ts[0] * 2)
