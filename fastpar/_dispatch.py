@@ -23,7 +23,6 @@ OPS = {
     "flatten": "flatten",
     "unflatten_into": "flatten",
     "reduce_add": "reduce_add",
-    "rnn_pack": "rnn_pack",
 }
 #: Devices each backend can run on (triton on CPU tensors = the Triton interpreter).
 RUNS_ON = {"triton": {"cuda", "cpu"}, "numba": {"cpu"}, "torch": None}

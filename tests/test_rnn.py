@@ -1,0 +1,453 @@
+"""fastpar.rnn: layouts, one-launch packing, flatten_parameters on every mode and dtype
+against unflattened copies (and a float64 reference), backends bit for bit, bad inputs
+(nothing rebound), the packing kernel compiled ahead of time, and cuDNN checks on CUDA."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import warnings
+
+import pytest
+import torch
+from conftest import cuda, poison_
+
+import fastpar
+from fastpar import rnn
+from fastpar._plan import plan_for
+from fastpar.rnn import RNNLayout
+
+pytestmark = pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")
+
+MODES = ["LSTM", "GRU", "RNN_TANH", "RNN_RELU"]
+IN, HID, PROJ, SEQ, BATCH = 5, 6, 3, 4, 2
+#: (num_layers, bidirectional, bias, proj_size); proj_size applies to LSTM only.
+CONFIGS = {
+    "1L-uni": (1, False, True, 0),
+    "2L-bi-nobias": (2, True, False, 0),
+    "3L-bi-proj": (3, True, True, PROJ),
+    "2L-uni-nobias-proj": (2, False, False, PROJ),
+}
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+#: (rtol, atol) of a module's forward/backward against the float64 module: these are
+#: RNN results (sums of products through several steps), not single roundings.
+RNN_TOL = {
+    torch.float64: (1e-12, 1e-12),
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (2e-2, 2e-2),
+    torch.bfloat16: (1e-1, 1e-1),
+}
+
+
+def make(mode, num_layers=1, bidirectional=False, bias=True, proj_size=0, *, dtype=torch.float32,
+         device="cpu", input_size=IN, hidden_size=HID, seed=0):
+    torch.manual_seed(seed)
+    kw = dict(num_layers=num_layers, bidirectional=bidirectional, bias=bias, dtype=dtype, device=device)
+    if mode == "LSTM":
+        return torch.nn.LSTM(input_size, hidden_size, proj_size=proj_size, **kw)
+    if mode == "GRU":
+        return torch.nn.GRU(input_size, hidden_size, **kw)
+    return torch.nn.RNN(input_size, hidden_size, nonlinearity=mode[4:].lower(), **kw)
+
+
+def config(mode, name):
+    num_layers, bidirectional, bias, proj = CONFIGS[name]
+    return (num_layers, bidirectional, bias, proj if mode == "LSTM" else 0)
+
+
+def ptrs(module):
+    return [getattr(module, n).data_ptr() if getattr(module, n) is not None else None
+            for n in module._flat_weights_names]
+
+
+def run(module, x, gy):
+    """Output, final state(s) and every weight's gradient for ``(out * gy).sum()``."""
+    module.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    out, state = module(x)
+    (out * gy).sum().backward()
+    states = state if isinstance(state, tuple) else (state,)
+    grads = [getattr(module, n).grad for n in module._flat_weights_names]
+    return [out.detach(), *[s.detach() for s in states], x.grad, *grads]
+
+
+def assert_views_of(module, buf, layout):
+    base = buf.data_ptr()
+    for n, off, shape in zip(layout.names, layout.offsets, layout.shapes):
+        w = getattr(module, n)
+        assert w.untyped_storage().data_ptr() == base, f"{n} is not in the packed buffer"
+        assert w.data_ptr() == base + off * buf.element_size(), f"{n} is not at its layout offset"
+        assert tuple(w.shape) == shape and w.is_contiguous()
+
+
+# --- layouts ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("cfg", CONFIGS, ids=str)
+def test_dense_layout_matches_module(mode, cfg):
+    m = make(mode, *config(mode, cfg))
+    layout = RNNLayout.for_module(m)
+    assert layout.source == "dense" and layout.device == torch.device("cpu")
+    assert list(layout.names) == m._flat_weights_names
+    assert list(layout.shapes) == [tuple(getattr(m, n).shape) for n in m._flat_weights_names]
+    numels = [w.numel() for w in m._flat_weights]
+    assert list(layout.offsets) == [sum(numels[:i]) for i in range(len(numels))]
+    assert layout.numel == sum(numels) and layout.gaps.shape == (0, 2)
+    assert RNNLayout.for_module(m) is layout, "layouts are cached per configuration"
+    assert RNNLayout.for_module(m, dtype=torch.float16).dtype == torch.float16
+
+
+def test_layout_views_and_constructor_checks():
+    layout = RNNLayout.for_config("GRU", 3, 4, 2, bidirectional=True)
+    buf = torch.arange(layout.numel, dtype=torch.float32)
+    views = layout.views(buf)
+    for v, s, o in zip(views, layout.shapes, layout.offsets):
+        assert tuple(v.shape) == s and v.data_ptr() == buf.data_ptr() + 4 * o
+    assert views[0].reshape(-1)[0] == 0
+    with pytest.raises(ValueError, match="overlap"):
+        dataclasses.replace(layout, offsets=(0,) * len(layout.offsets))
+    with pytest.raises(ValueError, match="outside the buffer"):
+        dataclasses.replace(layout, numel=layout.numel - 1)
+    with pytest.raises(ValueError, match="one shape and one offset"):
+        dataclasses.replace(layout, offsets=layout.offsets[:-1])
+    with pytest.raises(ValueError, match="mode must be one of"):
+        RNNLayout.for_config("LSTMX", 3, 4)
+    with pytest.raises(ValueError, match="proj_size"):
+        RNNLayout.for_config("GRU", 3, 4, proj_size=2)
+    with pytest.raises(ValueError, match="hidden_size must be an int >= 1"):
+        RNNLayout.for_config("GRU", 3, 0)
+
+
+# --- flatten_parameters: every mode, configuration and dtype ---------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("cfg", CONFIGS, ids=str)
+def test_flatten_parameters_keeps_the_module_working(mode, cfg, dtype):
+    m = make(mode, *config(mode, cfg), dtype=dtype)
+    ref = copy.deepcopy(m)  # unflattened, same dtype
+    ref64 = copy.deepcopy(m).double()  # float64 reference
+    params_before = list(m.parameters())
+    sd_before = {k: v.clone() for k, v in m.state_dict().items()}
+    assert not rnn.is_flat(m), "a fresh CPU module has one allocation per weight"
+
+    with fastpar.count_launches() as n:
+        buf = rnn.flatten_parameters(m)
+    assert n.total == 1, f"one launch per pack, got {n.by_op}"
+    layout = RNNLayout.for_module(m)
+    assert buf.dtype == dtype and buf.numel() == layout.numel and buf.storage_offset() == 0
+    assert rnn.is_flat(m)
+    assert_views_of(m, buf, layout)
+    assert all(a is b for a, b in zip(m.parameters(), params_before)), "Parameter objects must be kept"
+    assert all(a is getattr(m, n) for a, n in zip(m._flat_weights, m._flat_weights_names))
+    assert all(isinstance(p, torch.nn.Parameter) and p.requires_grad for p in m.parameters())
+    sd = m.state_dict()
+    assert list(sd) == list(sd_before)
+    assert all(torch.equal(sd[k], sd_before[k]) for k in sd), "state_dict values changed"
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(SEQ, BATCH, IN, generator=g).to(dtype)
+    gy = torch.randn(SEQ, BATCH, m(x)[0].shape[-1], generator=g).to(dtype)
+    got, same, exp = run(m, x, gy), run(ref, x, gy), run(ref64, x.double(), gy.double())
+    rtol, atol = RNN_TOL[dtype]
+    for i, (a, b, e) in enumerate(zip(got, same, exp)):
+        # Packing moves bits: the same computation on the same values, so equal results.
+        assert torch.equal(a, b), f"result {i} differs from the unflattened module's"
+        torch.testing.assert_close(a.double(), e, rtol=rtol, atol=atol, msg=f"result {i} vs float64")
+
+    # An optimizer step updates the weights in place: in the packed buffer.
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
+    before = buf.clone()
+    opt.step()
+    opt_ref.step()
+    assert not torch.equal(buf, before), "the step did not reach the packed buffer"
+    assert rnn.is_flat(m)
+    assert torch.equal(buf, rnn.pack(list(ref._flat_weights), layout)), "buffer != stepped reference"
+
+
+def test_flatten_parameters_triton_interpreter_and_torch_backends():
+    for backend, launches in (("triton", 1), ("torch", 0)):
+        m = make("LSTM", 2, True, False, PROJ)
+        ref = copy.deepcopy(m)
+        with fastpar.use_backend(backend), fastpar.count_launches() as n:
+            buf = rnn.flatten_parameters(m)
+        assert n.total == launches and rnn.is_flat(m)
+        assert torch.equal(buf, torch.cat([w.detach().reshape(-1) for w in ref._flat_weights]))
+
+
+def test_flatten_parameters_is_idempotent_and_repacks_when_broken():
+    m = make("GRU", 2, True)
+    buf = rnn.flatten_parameters(m)
+    with fastpar.count_launches() as n:
+        again = rnn.flatten_parameters(m)
+    assert n.total == 0 and again.data_ptr() == buf.data_ptr() and torch.equal(again, buf)
+    # Replacing one weight's storage breaks flatness; the next call packs a new buffer.
+    m.weight_hh_l1.data = m.weight_hh_l1.data.clone() * 2
+    assert not rnn.is_flat(m)
+    buf2 = rnn.flatten_parameters(m)
+    assert rnn.is_flat(m) and buf2.data_ptr() != buf.data_ptr()
+    layout = rnn.RNNLayout.for_module(m)
+    assert torch.equal(m.weight_hh_l1, layout.views(buf2)[layout.names.index("weight_hh_l1")])
+
+
+def test_load_state_dict_and_hooks_after_flatten():
+    m = make("LSTM", 2, False, True, PROJ)
+    other = make("LSTM", 2, False, True, PROJ, seed=5)
+    seen = []
+    m.weight_ih_l0.register_hook(lambda grad: seen.append(grad.shape))
+    buf = rnn.flatten_parameters(m)
+    m.load_state_dict(other.state_dict())
+    assert rnn.is_flat(m), "load_state_dict copies in place: the buffer stays"
+    assert torch.equal(buf, rnn.pack(list(other._flat_weights), RNNLayout.for_module(other)))
+    m(torch.randn(SEQ, BATCH, IN))[0].sum().backward()
+    assert seen == [m.weight_ih_l0.shape], "a tensor hook registered before flattening must still fire"
+
+
+def test_module_to_after_flatten_then_flatten_again():
+    m = make("RNN_TANH", 2, True)
+    rnn.flatten_parameters(m)
+    m.double()
+    assert not rnn.is_flat(m), ".double() gives each weight its own storage again"
+    buf = rnn.flatten_parameters(m)
+    assert buf.dtype == torch.float64 and rnn.is_flat(m)
+
+
+# --- pack -------------------------------------------------------------------------------
+
+
+def gapped(layout, pad=3):
+    """``layout`` with ``pad`` free elements before, between and after the weights (as
+    cuDNN's layouts may have): a layout with gaps on CPU."""
+    offsets, at = [], pad
+    for s in layout.shapes:
+        offsets.append(at)
+        at += int(torch.Size(s).numel()) + pad
+    return dataclasses.replace(layout, offsets=tuple(offsets), numel=at + pad)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_backends_pack_bit_identical(dtype):
+    m = make("LSTM", 2, True, True, PROJ, dtype=dtype, input_size=33, hidden_size=40)
+    ws = [w.detach() for w in m._flat_weights]
+    ws[1] = ws[1].t().contiguous().t()  # one non-contiguous weight (same values)
+    dense = RNNLayout.for_module(m)
+    for layout in (dense, gapped(dense)):
+        results = {}
+        for backend in ("numba", "triton", "torch"):
+            with fastpar.use_backend(backend), fastpar.count_launches() as n:
+                out = rnn.pack(ws, layout, out=poison_(torch.empty(layout.numel, dtype=dtype)))
+            assert n.total == (0 if backend == "torch" else 1), f"{backend}: {n.by_op}"
+            results[backend] = out
+        bits = {k: v.view(torch.uint8) for k, v in results.items()}
+        assert torch.equal(bits["numba"], bits["triton"]), "numba and triton buffers differ"
+        assert torch.equal(bits["numba"], bits["torch"]), "numba and torch buffers differ"
+
+
+def test_gaps_are_zero_filled_in_the_same_launch(backend):
+    m = make("GRU", 2, True, False, input_size=7, hidden_size=9)
+    layout = gapped(RNNLayout.for_module(m))
+    assert len(layout.gaps) == len(layout.names) + 1
+    out = poison_(torch.empty(layout.numel))
+    with fastpar.count_launches() as n:
+        rnn.pack(list(m._flat_weights), layout, out=out)
+    assert n.total == (0 if backend == "torch" else 1)
+    covered = torch.zeros(layout.numel, dtype=torch.bool)
+    for w, v, off in zip(m._flat_weights, layout.views(out), layout.offsets):
+        assert torch.equal(v, w.detach())
+        covered[off : off + w.numel()] = True
+    assert torch.equal(out[~covered], torch.zeros(int((~covered).sum()))), "gaps must be zero"
+    # A fresh buffer too (no memset behind it: the launch writes every element).
+    fresh = rnn.pack(list(m._flat_weights), layout)
+    assert torch.equal(fresh, out)
+
+
+def test_pack_casts_and_reuses_out(backend):
+    m = make("LSTM", 1, True, True, PROJ)
+    layout = RNNLayout.for_module(m, dtype=torch.bfloat16)
+    out = torch.empty(layout.numel, dtype=torch.bfloat16)
+    res = rnn.pack(list(m._flat_weights), layout, out=out)
+    assert res is out
+    expected = torch.cat([w.detach().reshape(-1) for w in m._flat_weights]).to(torch.bfloat16)
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16)), "cast must match Tensor.to"
+    v0 = out._version
+    with torch.no_grad():
+        m.weight_ih_l0.mul_(2)
+    rnn.pack(list(m._flat_weights), layout, out=out)
+    assert out._version > v0
+    assert torch.equal(layout.views(out)[0], m.weight_ih_l0.detach().to(torch.bfloat16))
+
+
+# --- bad input: clear errors, nothing written or rebound --------------------------------
+
+
+@pytest.mark.parametrize("fn", [rnn.flatten_parameters, rnn.is_flat, RNNLayout.for_module])
+def test_not_an_rnn(fn):
+    for bad in (torch.nn.Linear(3, 4), torch.nn.LSTMCell(3, 4), "LSTM"):
+        with pytest.raises(TypeError, match=r"module must be a torch.nn.RNNBase .* got"):
+            fn(bad)
+
+
+def _assert_rejected(m, exc, match):
+    before = ptrs(m)
+    with pytest.raises(exc, match=match):
+        rnn.flatten_parameters(m)
+    assert ptrs(m) == before, "a rejected call must rebind nothing"
+    assert not rnn.is_flat(m)
+
+
+def test_weights_of_different_dtypes():
+    m = make("LSTM", 2, True)
+    m.weight_hh_l1.data = m.weight_hh_l1.data.double()
+    _assert_rejected(m, TypeError, r"one dtype: module.weight_ih_l0 is torch.float32 but module.weight_hh_l1 is torch.float64")
+
+
+def test_weights_on_different_devices():
+    m = make("GRU", 1, True)
+    m.bias_hh_l0_reverse = torch.nn.Parameter(torch.empty(m.bias_hh_l0_reverse.shape, device="meta"))
+    _assert_rejected(m, ValueError, r"one device: module.weight_ih_l0 is on cpu but module.bias_hh_l0_reverse is on meta")
+
+
+@pytest.mark.parametrize("name,shape", [("weight_ih_l0", (24, 4)), ("weight_hr_l1", (3, 5)), ("bias_hh_l0", (24, 1))])
+def test_weights_replaced_with_wrong_shapes(name, shape):
+    m = make("LSTM", 2, False, True, PROJ)
+    setattr(m, name, torch.nn.Parameter(torch.randn(shape)))
+    _assert_rejected(m, ValueError, rf"module.{name} has shape \({shape[0]}, {shape[1]}\), but .* expects")
+
+
+def test_tied_and_missing_weights():
+    m = make("RNN_RELU", 1, True)
+    m.weight_hh_l0_reverse = m.weight_hh_l0
+    _assert_rejected(m, ValueError, "module.weight_hh_l0_reverse aliases module.weight_hh_l0")
+    m = make("RNN_RELU", 1, False)
+    m.weight_hh_l0 = None
+    _assert_rejected(m, TypeError, "module.weight_hh_l0 must be a torch.Tensor, got NoneType")
+
+
+def test_pack_bad_out_and_weights():
+    m = make("LSTM", 1, False, True, PROJ)
+    ws = list(m._flat_weights)
+    layout = RNNLayout.for_module(m)
+    n = layout.numel
+    cases = [
+        (dict(out=torch.empty(n - 1)), ValueError, rf"exactly {n} elements .*got {n - 1} \(too small\)"),
+        (dict(out=torch.empty(n + 1)), ValueError, r"too large"),
+        (dict(out=torch.empty(n + 1)[1:]), ValueError, "storage offset 0"),
+        (dict(out=torch.empty(n, dtype=torch.float64)), TypeError, "dtype torch.float32"),
+        (dict(out=torch.empty(n, device="meta")), ValueError, "must be on cpu"),
+        (dict(out=torch.empty(2, n)[:, 0]), ValueError, "contiguous 1-D"),
+        (dict(out=[0.0] * n), TypeError, "out must be a torch.Tensor, got list"),
+    ]
+    for kwargs, exc, match in cases:
+        before = [w.detach().clone() for w in ws]
+        with pytest.raises(exc, match=match):
+            rnn.pack(ws, layout, **kwargs)
+        assert all(torch.equal(a, b) for a, b in zip(ws, before))
+    buf = rnn.pack(ws, layout)
+    with pytest.raises(ValueError, match=r"out overlaps the memory of weights\[0\]"):
+        rnn.pack(layout.views(buf), layout, out=buf)
+    with pytest.raises(ValueError, match=r"weights must hold the layout's 5 weights"):
+        rnn.pack(ws[:-1], layout)
+    with pytest.raises(ValueError, match=r"weights\[1\] \(weight_hh_l0\) has shape"):
+        rnn.pack([ws[0], ws[0], *ws[2:]], layout)
+    with pytest.raises(TypeError, match=r"weights\[0\] is torch.float32 but weights\[2\] is torch.float64"):
+        rnn.pack([ws[0], ws[1], ws[2].double(), *ws[3:]], layout)
+    with pytest.raises(TypeError, match="layout must be an RNNLayout, got dict"):
+        rnn.pack(ws, {})
+    with pytest.raises(TypeError, match="weights must be a list or tuple of tensors"):
+        rnn.pack(ws[0], layout)
+    with pytest.raises(TypeError, match="must have dtype torch.float32"):
+        layout.views(torch.empty(n, dtype=torch.float16))
+
+
+def test_is_flat_false_for_mismatches():
+    m = make("GRU", 1)
+    rnn.flatten_parameters(m)
+    m.weight_ih_l0.data = m.weight_ih_l0.data.t().contiguous().t()  # right shape, not contiguous
+    assert not rnn.is_flat(m)
+    m.weight_ih_l0 = torch.nn.Parameter(torch.randn(3, 3))
+    assert not rnn.is_flat(m)
+
+
+# --- ahead of time: the packing kernel for sm_80 / sm_90 -------------------------------
+
+
+@pytest.mark.parametrize("cc", [80, 90])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_packing_kernel_compiles_for_gpu(cc, dtype):
+    """Packing is the multi-tensor copy in its same-dtype, to-flat configuration; an
+    RNN layout with sizes in multiples of 8 (as real ones are) takes the vector path."""
+    from fastpar.kernels.ops_triton import aot
+    from fastpar.kernels.ops_triton._common import align_elems
+
+    m = make("LSTM", 2, True, False, 8, dtype=dtype, input_size=64, hidden_size=32)
+    layout = gapped(RNNLayout.for_module(m), pad=8)
+    plan = plan_for(list(m._flat_weights), "weights")
+    group = rnn._packing_group(plan.groups[0], layout)
+    assert group.aligned(align_elems(dtype, dtype)), "the packing group must allow 128-bit vectors"
+    ptx = aot.compile_copy(cc, src=dtype, dst=dtype, to_flat=True, aligned=True)
+    assert ".entry" in ptx and "ld.global.v4" in ptx and "st.global.v4" in ptx
+
+
+# --- CUDA: cuDNN's own layout and no repacking warning ---------------------------------
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("mode,cfg", [("LSTM", "3L-bi-proj"), ("LSTM", "2L-uni-nobias-proj"),
+                                      ("GRU", "2L-bi-nobias"), ("RNN_TANH", "1L-uni")])
+def test_cuda_layout_is_cudnns(mode, cfg, dtype):
+    m = make(mode, *config(mode, cfg), dtype=dtype, device="cuda")
+    # nn.RNNBase flattened it through torch._cudnn_rnn_flatten_weight on construction.
+    ws = m._flat_weights
+    layout = RNNLayout.for_module(m)
+    assert layout.source == "cudnn"
+    assert list(layout.offsets) == [w.storage_offset() for w in ws]
+    assert layout.numel * layout.dtype.itemsize == ws[0].untyped_storage().nbytes()
+    assert rnn.is_flat(m)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("mode,cfg", [("LSTM", "3L-bi-proj"), ("LSTM", "2L-uni-nobias-proj"),
+                                      ("GRU", "2L-bi-nobias"), ("RNN_RELU", "1L-uni")])
+def test_cuda_forward_after_packing_does_not_warn(mode, cfg, dtype):
+    m = make(mode, *config(mode, cfg), dtype=dtype, device="cuda")
+    for w in m._flat_weights:  # scatter the weights, as replicas' are
+        w.data = w.data.clone()
+    assert not rnn.is_flat(m)
+    ref = copy.deepcopy(m)
+    torch_buf = copy.deepcopy(m)
+    torch_buf.flatten_parameters()  # torch's own packing, for the bits of the gaps
+    with fastpar.count_launches() as n:
+        buf = rnn.flatten_parameters(m)
+    assert n.total == 1 and rnn.is_flat(m)
+    # Bit for bit the buffer torch._cudnn_rnn_flatten_weight builds (gaps zero in both).
+    theirs = _storage_as(torch_buf._flat_weights[0], buf.numel())
+    assert torch.equal(buf.view(torch.uint8), theirs.view(torch.uint8))
+    x = torch.randn(SEQ, BATCH, IN, device="cuda", dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*single contiguous chunk")
+        out = m(x)[0]
+    assert torch.equal(out, torch_buf(x)[0])
+    with pytest.warns(UserWarning, match="single contiguous chunk"):
+        ref(x)  # the scattered copy: cuDNN repacks and warns
+
+
+def _storage_as(w, numel):
+    return torch.empty(0, dtype=w.dtype, device=w.device).set_(w.untyped_storage(), 0, (numel,))
+
+
+@cuda
+def test_cuda_pack_one_launch_and_backends_agree():
+    m = make("LSTM", 2, True, False, PROJ, device="cuda", input_size=33, hidden_size=40)
+    layout = RNNLayout.for_module(m)
+    ws = [w.detach().clone() for w in m._flat_weights]
+    with fastpar.count_launches() as n:
+        gpu = rnn.pack(ws, layout)
+    assert n.total == 1
+    cpu_layout = dataclasses.replace(layout, device=torch.device("cpu"))
+    cpu = rnn.pack([w.cpu() for w in ws], cpu_layout)
+    assert torch.equal(gpu.cpu(), cpu)
+
