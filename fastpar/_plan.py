@@ -198,6 +198,14 @@ class Plan:
     def numel(self) -> int:
         return int(self.numels.sum())
 
+    @property
+    def shapes(self) -> tuple:
+        """Each tensor's shape (made once per plan: a torch.Size costs ~1 us)."""
+        hit = self.__dict__.get("_shapes")
+        if hit is None:
+            hit = self.__dict__["_shapes"] = tuple(t.shape for t in self.tensors)
+        return hit
+
     def overlaps(self, t: torch.Tensor) -> int:
         """Position of the first tensor whose memory overlaps ``t``'s, or -1."""
         if t.device != self.device or t.numel() == 0:
@@ -324,10 +332,11 @@ class ReduceGroup:
     dst_addrs: np.ndarray
     #: int64 ``[N]``: elements per tensor.
     numels: np.ndarray
-    #: The tensors behind the addresses: ``sources[k][t]`` and ``destinations[t]``
-    #: (the torch backend works on them; they also keep the memory alive).
+    #: The memory behind the addresses, which must stay alive until the kernel has run:
+    #: per source (and for the destination) either the N tensors themselves or one 1-D
+    #: buffer holding them end to end. The torch backend computes on them.
     sources: list
-    destinations: list
+    destinations: object
     #: Chunk-map cache shared with a plan group of the same numels.
     _blocks: dict = field(default_factory=dict, repr=False)
 

@@ -290,7 +290,7 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
         layout, nbytes = byte_layout(plans[0])
         buf = torch.empty(nbytes, dtype=torch.uint8, device=dst)
         dst_addr = [buf.data_ptr() + off + g.local_offsets * g.dtype.itemsize for g, off in zip(plans[0].groups, layout)]
-        dst_tensors = [_region_views(buf, g, off) for g, off in zip(plans[0].groups, layout)]
+        dst_tensors = [region(buf, g, off) for g, off in zip(plans[0].groups, layout)]
     else:
         dst_addr = [g.addrs for g in out_plan.groups]
         dst_tensors = [list(g.tensors) for g in out_plan.groups]
@@ -312,11 +312,6 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
     return byte_views(buf, plans[0], layout)
 
 
-def _region_views(buf, group, byte_offset) -> list:
-    """Views of ``group``'s region of ``buf`` shaped like its tensors."""
-    return list(torch._utils._unflatten_dense_tensors(region(buf, group, byte_offset), list(group.tensors)))
-
-
 def _check_same_layout(plans) -> None:
     p0 = plans[0]
     for k, p in enumerate(plans[1:], 1):
@@ -325,7 +320,7 @@ def _check_same_layout(plans) -> None:
                 f"inputs[{k}] (on {p.device}) has {len(p.tensors)} tensors but inputs[0] (on {p0.device}) "
                 f"has {len(p0.tensors)}; every device must hold the same list"
             )
-        if p.dtypes != p0.dtypes or not np.array_equal(p.numels, p0.numels) or _shapes(p) != _shapes(p0):
+        if p.dtypes != p0.dtypes or not np.array_equal(p.numels, p0.numels) or p.shapes != p0.shapes:
             i = next(i for i, (a, b) in enumerate(zip(p.tensors, p0.tensors)) if a.shape != b.shape or a.dtype != b.dtype)
             raise ValueError(
                 f"position {i}: inputs[{k}][{i}] on {p.device} has shape {tuple(p.tensors[i].shape)} "
@@ -334,21 +329,13 @@ def _check_same_layout(plans) -> None:
             )
 
 
-def _shapes(plan) -> tuple:
-    # torch.Size objects are slow to make (~1 us each): once per plan.
-    shapes = getattr(plan, "_shapes", None)
-    if shapes is None:
-        shapes = plan._shapes = tuple(t.shape for t in plan.tensors)
-    return shapes
-
-
 def _check_out(out, p0, plans, dst):
     out_plan = plan_for(out, "out")
     if out_plan.device != dst:
         raise ValueError(f"out must be on the destination {dst}, got tensors on {out_plan.device}")
     if len(out_plan.tensors) != len(p0.tensors):
         raise ValueError(f"out must hold {len(p0.tensors)} tensors (one per input position), got {len(out_plan.tensors)}")
-    if out_plan.dtypes != p0.dtypes or _shapes(out_plan) != _shapes(p0):
+    if out_plan.dtypes != p0.dtypes or out_plan.shapes != p0.shapes:
         i = next(i for i, (a, b) in enumerate(zip(out_plan.tensors, p0.tensors)) if a.shape != b.shape or a.dtype != b.dtype)
         raise ValueError(
             f"out[{i}] has shape {tuple(out_plan.tensors[i].shape)} ({out_plan.dtypes[i]}) but the inputs at "
@@ -378,7 +365,7 @@ def _source_addresses(plans, dst, path):
             if p.device != dst:
                 buf = buf.to(dst, non_blocking=True)  # one async copy per source
             addrs.append([buf.data_ptr() + off + g.local_offsets * g.dtype.itemsize for g, off in zip(p.groups, layout)])
-            keep.append([_region_views(buf, g, off) for g, off in zip(p.groups, layout)])
+            keep.append([region(buf, g, off) for g, off in zip(p.groups, layout)])
         else:
             addrs.append([g.addrs for g in p.groups])
             keep.append([list(g.tensors) for g in p.groups])

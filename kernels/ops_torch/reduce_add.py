@@ -1,6 +1,5 @@
-"""Reference K-way reduce-add in plain torch ops (float64-free: accumulates like the
-kernels, float32 for 16-bit floats). Works on the raw addresses of a ReduceGroup by
-viewing them through the tensors the group was built from."""
+"""Reference K-way reduce-add in plain torch ops, accumulating like the kernels (float32
+for 16-bit floats, int64 for integers)."""
 from __future__ import annotations
 
 import torch
@@ -8,12 +7,19 @@ import torch
 _ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
 
+def _per_tensor(side, numels):
+    # A side is either the N tensors or one 1-D buffer holding them end to end.
+    if isinstance(side, torch.Tensor):
+        return side.split_with_sizes(numels.tolist())
+    return side
+
+
 def reduce_add(group) -> None:
     """Write ``sum_k src[k][t]`` into every destination ``t`` of ``group``."""
-    acc_dtype = _ACC.get(group.dtype, torch.int64 if not group.dtype.is_floating_point else group.dtype)
-    for t in range(len(group.numels)):
-        srcs = [group.sources[k][t] for k in range(group.n_sources)]
-        acc = srcs[0].to(group.device, acc_dtype)
-        for s in srcs[1:]:
-            acc = acc + s.to(group.device, acc_dtype)
-        group.destinations[t].copy_(acc.view_as(group.destinations[t]))
+    acc_dtype = _ACC.get(group.dtype, group.dtype if group.dtype.is_floating_point else torch.int64)
+    sources = [_per_tensor(s, group.numels) for s in group.sources]
+    for t, dst in enumerate(_per_tensor(group.destinations, group.numels)):
+        acc = sources[0][t].to(group.device, acc_dtype)
+        for src in sources[1:]:
+            acc = acc + src[t].to(group.device, acc_dtype)
+        dst.copy_(acc.reshape(dst.shape))
