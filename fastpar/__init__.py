@@ -8,18 +8,26 @@ from __future__ import annotations
 
 import contextlib
 
+from . import comm, rnn
 from ._dispatch import backend_for, use_backend
 from ._flatten import flatten, unflatten, unflatten_into
 from ._plan import clear_plan_cache
+from .data_parallel import DataParallel, data_parallel
+from .replicate import replicate
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DataParallel",
     "__version__",
     "backend_for",
     "clear_plan_cache",
+    "comm",
     "count_launches",
+    "data_parallel",
     "flatten",
+    "replicate",
+    "rnn",
     "unflatten",
     "unflatten_into",
     "use_backend",

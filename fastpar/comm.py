@@ -421,12 +421,7 @@ def scatter(tensor, devices=None, chunk_sizes=None, dim=0, streams=None, *, out=
         return tuple(outs)
     devs = _devices(devices, "devices")
     if chunk_sizes is None:
-        chunks = tensor.chunk(len(devs), dim)
-        if len(chunks) < len(devs):
-            warnings.warn(
-                f"scatter: {size} rows along dim {dim} cannot fill {len(devs)} devices; "
-                f"only the first {len(chunks)} get a chunk"
-            )
+        chunks = tensor.chunk(len(devs), dim)  # fewer chunks than devices for a small dim, as torch
         devs = devs[: len(chunks)]
     else:
         sizes = list(chunk_sizes)

@@ -1,0 +1,121 @@
+"""Autograd functions of the data-parallel path, each with the opposite op as backward
+(as in ``torch.nn.parallel._functions``): Broadcast <-> ReduceAddCoalesced,
+Scatter <-> Gather."""
+from __future__ import annotations
+
+import torch
+from torch.autograd import Function
+
+from . import comm
+
+
+class Broadcast(Function):
+    """Copies of ``inputs`` on every device of ``placement`` (a
+    :class:`fastpar.replicate._Placement`), which lays each device's copies out in its
+    persistent buffers. Backward: the fused :class:`ReduceAddCoalesced` of the copies'
+    gradients onto the inputs' device."""
+
+    @staticmethod
+    def forward(ctx, placement, *inputs):
+        ctx.devices = placement.devices
+        ctx.num_inputs = len(inputs)
+        ctx.input_device = inputs[0].device if inputs else None
+        if not inputs:
+            return ()
+        outputs = placement.place(inputs)
+        non_differentiables = []
+        for idx, needs in enumerate(ctx.needs_input_grad[1:]):
+            if not needs:
+                non_differentiables.extend(output[idx] for output in outputs)
+        ctx.mark_non_differentiable(*non_differentiables)
+        return tuple(t for tensors in outputs for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        return (None,) + ReduceAddCoalesced.apply(ctx.input_device, ctx.num_inputs, ctx.devices, *grad_outputs)
+
+
+class ReduceAddCoalesced(Function):
+    """Position-wise sum of per-device gradient lists onto ``destination``, one kernel
+    launch per dtype. Backward: a plain broadcast of the summed gradients."""
+
+    @staticmethod
+    def forward(ctx, destination, num_inputs, devices, *grads):
+        ctx.devices = devices
+        per_device = [list(grads[i : i + num_inputs]) for i in range(0, len(grads), num_inputs)]
+        return tuple(comm.reduce_add_coalesced(per_device, destination))
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        copies = comm.broadcast_coalesced(list(grad_outputs), ctx.devices)
+        return (None, None, None) + tuple(t for tensors in copies for t in tensors)
+
+
+class Scatter(Function):
+    """Chunks of ``input`` along ``dim``, one per device. CPU inputs bound for GPUs are
+    copied from pinned memory on a per-device background stream the compute stream then
+    waits on. Backward: :class:`Gather`."""
+
+    @staticmethod
+    def forward(ctx, target_devices, chunk_sizes, dim, input):
+        ctx.dim = dim
+        ctx.input_device = input.device
+        streams = None
+        if input.device.type == "cpu" and any(d.type == "cuda" for d in target_devices):
+            input = input.pin_memory()
+            streams = [_background_stream(d) for d in target_devices]
+        outputs = comm.scatter(input, target_devices, chunk_sizes, dim, streams)
+        if streams is not None:
+            for d, out, s in zip(target_devices, outputs, streams):
+                with torch.cuda.device(d):
+                    main = torch.cuda.current_stream()
+                    main.wait_stream(s)
+                    out.record_stream(main)
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        return (None, None, None, Gather.apply(ctx.input_device, ctx.dim, *grad_outputs))
+
+
+class Gather(Function):
+    """Concatenation of per-device ``inputs`` along ``dim`` on ``target_device`` (0-dim
+    inputs become a vector, with torch's warning). Backward: :class:`Scatter`."""
+
+    @staticmethod
+    def forward(ctx, target_device, dim, *inputs):
+        ctx.dim = dim
+        ctx.target_device = target_device
+        ctx.input_devices = [t.device for t in inputs]
+        ctx.unsqueezed_scalar = dim == 0 and all(t.dim() == 0 for t in inputs)
+        if ctx.unsqueezed_scalar:
+            import warnings
+
+            warnings.warn(
+                "Was asked to gather along dimension 0, but all input tensors were scalars; "
+                "will instead unsqueeze and return a vector.",
+                stacklevel=2,
+            )
+            inputs = tuple(t.view(1) for t in inputs)
+        ctx.input_sizes = [t.size(dim) for t in inputs]
+        return comm.gather(list(inputs), dim, target_device)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grads = Scatter.apply(ctx.input_devices, ctx.input_sizes, ctx.dim, grad_output)
+        if ctx.unsqueezed_scalar:
+            grads = tuple(g[0] for g in grads)
+        return (None, None) + tuple(grads)
+
+
+_streams: dict = {}
+
+
+def _background_stream(device: torch.device):
+    """One background copy stream per CUDA device (created once, like torch's)."""
+    if device.type != "cuda":
+        return None
+    s = _streams.get(device.index)
+    if s is None:
+        s = _streams[device.index] = torch.cuda.Stream(device)
+    return s

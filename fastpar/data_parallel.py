@@ -1,0 +1,161 @@
+"""``fastpar.DataParallel``: a drop-in for ``torch.nn.DataParallel`` on fastpar's kernels."""
+from __future__ import annotations
+
+from itertools import chain
+
+import torch
+from torch.nn.modules import Module
+
+from . import comm, rnn
+from .parallel_apply import parallel_apply
+from .replicate import replicate
+from .scatter_gather import gather, scatter_kwargs
+
+__all__ = ["DataParallel", "data_parallel"]
+
+
+def _default_device_ids():
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else None
+
+
+class DataParallel(Module):
+    r"""Implements data parallelism at the module level, as ``torch.nn.DataParallel``.
+
+    Splits the input across the devices along ``dim``, replicates the module on each
+    device (parameters in one contiguous buffer per device, RNN weights in cuDNN's
+    layout, both refilled in place across calls), runs the replicas in parallel and
+    gathers the outputs on ``output_device``. In backward, the replicas' gradients
+    reach ``module``'s in one fused reduce-add launch per dtype.
+
+    The module's own RNN weights are packed in place once (:func:`fastpar.rnn.flatten_parameters`,
+    which keeps the Parameter objects), so every replica, the first included, hands
+    cuDNN a ready buffer.
+
+    Same constructor, checks, warnings and forward flow as torch's, with the forward in
+    four overridable steps: :meth:`scatter`, :meth:`replicate`, :meth:`parallel_apply`,
+    :meth:`gather`. ``state_dict`` keys are torch's (``module.``-prefixed).
+
+    Args:
+        module (Module): module to be parallelized; its parameters and buffers must be
+            on ``device_ids[0]``.
+        device_ids (list of int, str or torch.device): CUDA devices (default: all), or
+            ``"cpu"`` entries (repeats allowed) to run replicas in host memory, one
+            thread each. The CPU mode exists for testing the whole path without a GPU and
+            for CPU-bound models; it does not make a single-socket model faster by itself.
+        output_device (int, str or torch.device): where outputs are gathered
+            (default: ``device_ids[0]``).
+        dim (int): dimension the inputs are split along (default: 0).
+
+    Attributes:
+        module (Module): the module to be parallelized.
+
+    Example::
+
+        >>> net = fastpar.DataParallel(model, device_ids=[0, 1, 2])
+        >>> output = net(input_var)  # input_var can be on any device, including CPU
+        >>> host = fastpar.DataParallel(model, device_ids=["cpu", "cpu"])
+    """
+
+    def __init__(self, module, device_ids=None, output_device=None, dim=0):
+        super().__init__()
+        torch._C._log_api_usage_once("fastpar.DataParallel")
+        if device_ids is None:
+            device_ids = _default_device_ids()
+        if device_ids is None:
+            # As torch: no accelerator, no parallelism; the wrapper calls the module.
+            self.module = module
+            self.device_ids = []
+            return
+        if not device_ids:
+            raise RuntimeError("no available devices were found")
+        devs = comm._devices(list(device_ids), "device_ids")
+        if output_device is None:
+            output_device = devs[0]
+        self.dim = dim
+        self.module = module
+        self.device_ids = devs
+        self.output_device = comm._device(output_device, "output_device")
+        self.src_device_obj = devs[0]
+        if devs[0].type == "cuda":
+            from torch.nn.parallel.data_parallel import _check_balance
+
+            _check_balance([d.index for d in devs])
+        if len(self.device_ids) == 1:
+            self.module.to(self.src_device_obj)
+
+    def forward(self, *inputs, **kwargs):
+        with torch.autograd.profiler.record_function("fastpar.DataParallel.forward"):
+            if not self.device_ids:
+                return self.module(*inputs, **kwargs)
+            for t in chain(self.module.parameters(), self.module.buffers()):
+                if t.device != self.src_device_obj:
+                    raise RuntimeError(
+                        "module must have its parameters and buffers "
+                        f"on device {self.src_device_obj} (device_ids[0]) but found one of "
+                        f"them on device: {t.device}"
+                    )
+            inputs, module_kwargs = self.scatter(inputs, kwargs, self.device_ids)
+            # For a module with no inputs, run it once per device with empty arguments.
+            if not inputs and not module_kwargs:
+                inputs = ((),)
+                module_kwargs = ({},)
+            if len(self.device_ids) == 1:
+                return self.module(*inputs[0], **module_kwargs[0])
+            _flatten_rnns(self.module)
+            replicas = self.replicate(self.module, self.device_ids[: len(inputs)])
+            outputs = self.parallel_apply(replicas, inputs, module_kwargs)
+            return self.gather(outputs, self.output_device)
+
+    def replicate(self, module, device_ids):
+        return replicate(module, device_ids, not torch.is_grad_enabled())
+
+    def scatter(self, inputs, kwargs, device_ids):
+        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+
+    def parallel_apply(self, replicas, inputs, kwargs):
+        return parallel_apply(replicas, inputs, kwargs, self.device_ids[: len(replicas)])
+
+    def gather(self, outputs, output_device):
+        return gather(outputs, output_device, dim=self.dim)
+
+
+def _flatten_rnns(module) -> None:
+    """Pack the module's own RNN weights in the layout cuDNN wants (once; the Parameter
+    objects are kept), so the replica on ``device_ids[0]``, which shares them, is as flat
+    as the others."""
+    for m in module.modules():
+        if isinstance(m, torch.nn.RNNBase) and not rnn.is_flat(m):
+            rnn.flatten_parameters(m)
+
+
+def data_parallel(module, inputs, device_ids=None, output_device=None, dim=0, module_kwargs=None):
+    r"""Evaluate ``module(input)`` in parallel across ``device_ids``: the functional form
+    of :class:`DataParallel` (same arguments, as ``torch.nn.parallel.data_parallel``)."""
+    if not isinstance(inputs, tuple):
+        inputs = (inputs,) if inputs is not None else ()
+    if device_ids is None:
+        device_ids = _default_device_ids()
+    if device_ids is None:
+        return module(*inputs, **(module_kwargs or {}))
+    devs = comm._devices(list(device_ids), "device_ids")
+    if output_device is None:
+        output_device = devs[0]
+    src = devs[0]
+    for t in chain(module.parameters(), module.buffers()):
+        if t.device != src:
+            raise RuntimeError(
+                "module must have its parameters and buffers "
+                f"on device {src} (device_ids[0]) but found one of "
+                f"them on device: {t.device}"
+            )
+    inputs, module_kwargs = scatter_kwargs(inputs, module_kwargs, devs, dim)
+    if not inputs and not module_kwargs:
+        inputs = ((),)
+        module_kwargs = ({},)
+    if len(devs) == 1:
+        return module(*inputs[0], **module_kwargs[0])
+    _flatten_rnns(module)
+    used = devs[: len(inputs)]
+    replicas = replicate(module, used)
+    outputs = parallel_apply(replicas, inputs, module_kwargs, used)
+    return gather(outputs, output_device, dim)

@@ -1,0 +1,100 @@
+"""Run replicas side by side, one thread each, as ``torch.nn.parallel.parallel_apply``
+does, for CUDA devices and for ``"cpu"`` replicas in host memory."""
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch._utils import ExceptionWrapper
+
+from . import comm
+
+__all__ = ["parallel_apply"]
+
+
+def _device_of(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.device
+    if isinstance(obj, (list, tuple)):
+        for o in obj:
+            d = _device_of(o)
+            if d is not None:
+                return d
+    if isinstance(obj, dict):
+        return _device_of(list(obj.values()))
+    return None
+
+
+def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
+    r"""Apply each module to its inputs in parallel threads.
+
+    Args:
+        modules (sequence of Module): the replicas.
+        inputs (sequence): one positional-argument tuple (or single argument) per module.
+        kwargs_tup (sequence of dict, optional): keyword arguments per module.
+        devices (sequence, optional): the device of each module (CUDA or ``"cpu"``).
+
+    Returns:
+        list: each module's output, in order. An exception raised in any replica is
+        re-raised here, naming the replica and its device, after every thread has
+        finished (no thread is left behind).
+    """
+    if len(modules) != len(inputs):
+        raise ValueError(f"modules and inputs must have the same length, got {len(modules)} and {len(inputs)}")
+    if kwargs_tup is None:
+        kwargs_tup = ({},) * len(modules)
+    elif len(kwargs_tup) != len(modules):
+        raise ValueError(f"kwargs_tup must have one entry per module ({len(modules)}), got {len(kwargs_tup)}")
+    if devices is None:
+        devices = [_device_of(i) or torch.device("cpu") for i in inputs]
+    else:
+        devices = [comm._device(d, f"devices[{i}]") for i, d in enumerate(devices)]
+    if len(devices) != len(modules):
+        raise ValueError(f"devices must have one entry per module ({len(modules)}), got {len(devices)}")
+    streams = [torch.cuda.current_stream(d) if d.type == "cuda" else None for d in devices]
+    lock = threading.Lock()
+    results = {}
+    # Grad mode and autocast are thread-local: carry the caller's into each thread.
+    grad_enabled = torch.is_grad_enabled()
+    autocast_enabled = torch.is_autocast_enabled("cuda") if torch.cuda.is_available() else False
+    autocast_dtype = torch.get_autocast_dtype("cuda") if autocast_enabled else None
+
+    def _worker(i, module, input, kwargs, device, stream):
+        torch.set_grad_enabled(grad_enabled)
+        try:
+            if device.type == "cuda":
+                with torch.cuda.device(device), torch.cuda.stream(stream), torch.autocast(
+                    "cuda", enabled=autocast_enabled, dtype=autocast_dtype
+                ):
+                    output = module(*_as_tuple(input), **kwargs)
+            else:
+                output = module(*_as_tuple(input), **kwargs)
+            with lock:
+                results[i] = output
+        except Exception:
+            with lock:
+                results[i] = ExceptionWrapper(where=f"in replica {i} on device {device}")
+
+    if len(modules) > 1:
+        threads = [
+            threading.Thread(target=_worker, args=(i, m, x, k, d, s), name=f"fastpar-replica-{i}")
+            for i, (m, x, k, d, s) in enumerate(zip(modules, inputs, kwargs_tup, devices, streams))
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    else:
+        _worker(0, modules[0], inputs[0], kwargs_tup[0], devices[0], streams[0])
+
+    outputs = []
+    for i in range(len(inputs)):
+        output = results[i]
+        if isinstance(output, ExceptionWrapper):
+            output.reraise()
+        outputs.append(output)
+    return outputs
+
+
+def _as_tuple(x):
+    return x if isinstance(x, (list, tuple)) else (x,)

@@ -1,0 +1,233 @@
+"""``fastpar.replicate``: ``torch.nn.parallel.replicate`` on fastpar's kernels.
+
+On every device but the first, a replica's parameters are views into one contiguous
+buffer filled by one ``broadcast_coalesced`` (one flatten launch per dtype on the
+source, one copy per device), except RNN weights: each RNN module of each replica gets
+its own buffer in the cuDNN layout (:mod:`fastpar.rnn`), packed from the source weights
+in one launch, so cuDNN takes it as is and never re-compacts.
+
+Replica buffers persist across calls, as DDP keeps its bucket buffers: once nothing
+refers to a previous call's buffer any more (its replicas and their autograd graph are
+gone), the next call refills it instead of allocating; a buffer still referenced is
+never overwritten (a new one is allocated instead).
+"""
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+
+import torch
+from torch.nn.parallel.replicate import _replicatable_module
+
+from . import comm, rnn
+from ._flatten import byte_layout, byte_views, pack_bytes
+from ._functions import Broadcast
+from ._plan import plan_for
+
+__all__ = ["replicate"]
+
+
+def _use_count(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+class _BufferPool:
+    """Persistent per-device buffers, refilled only once nothing else refers to them."""
+
+    def __init__(self) -> None:
+        self._slots: dict = {}
+        self.allocations = 0
+
+    def get(self, key, nbytes: int, device: torch.device) -> torch.Tensor:
+        slot = self._slots.get(key)
+        if slot is not None:
+            buf, idle_count = slot
+            # Every view (a replica's parameter, a tensor saved for backward) holds a
+            # reference to the storage: at the count it had when new, none is left.
+            if buf.numel() == nbytes and buf.device == device and _use_count(buf) == idle_count:
+                return buf
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self._slots[key] = (buf, _use_count(buf))
+        self.allocations += 1
+        return buf
+
+
+#: One pool per replicated network (dropped with it).
+_POOLS: "weakref.WeakKeyDictionary[torch.nn.Module, _BufferPool]" = weakref.WeakKeyDictionary()
+
+
+class _Placement:
+    """Lays out the copies of one tensor list on every device (used by Broadcast)."""
+
+    def __init__(self, devices, pool: _BufferPool, tag: str, rnn_groups=()):
+        self.devices = devices
+        self.pool = pool
+        self.tag = tag
+        #: [(rnn module, [positions of its _flat_weights in the tensor list])]
+        self.rnn_groups = rnn_groups
+
+    def place(self, tensors) -> list[list[torch.Tensor]]:
+        """``result[0]`` is ``tensors`` itself; ``result[j]`` their copies on device j."""
+        tensors = list(tensors)
+        result = [tensors]
+        if len(self.devices) == 1:
+            return result
+        rnn_positions = {i for _, pos in self.rnn_groups for i in pos}
+        rest = [i for i in range(len(tensors)) if i not in rnn_positions]
+        rest_copies = self._broadcast([tensors[i] for i in rest])
+        for j, device in enumerate(self.devices[1:], 1):
+            copies = [None] * len(tensors)
+            for i, c in zip(rest, rest_copies[j - 1]):
+                copies[i] = c
+            for m, pos in self.rnn_groups:
+                for i, v in zip(pos, self._pack_rnn(m, [tensors[i] for i in pos], j, device)):
+                    copies[i] = v
+            result.append(copies)
+        return result
+
+    def _broadcast(self, tensors) -> list[list[torch.Tensor]]:
+        """Flatten once on the source, one copy into each device's persistent buffer."""
+        if not tensors:
+            return [[] for _ in self.devices[1:]]
+        plan = plan_for(tensors, "tensors")
+        layout, nbytes = byte_layout(plan)
+        src_dev = self.devices[0]
+        if src_dev.type == "cpu":
+            # Host replicas: flatten straight into each replica's buffer (no staging).
+            bufs = [self.pool.get((self.tag, j), nbytes, d) for j, d in enumerate(self.devices[1:], 1)]
+            pack_bytes(plan, bufs[0], layout)
+            for b in bufs[1:]:
+                b.copy_(bufs[0])
+        else:
+            staging = self.pool.get((self.tag, 0), nbytes, src_dev)
+            pack_bytes(plan, staging, layout)
+            bufs = []
+            for j, d in enumerate(self.devices[1:], 1):
+                b = self.pool.get((self.tag, j), nbytes, d)
+                b.copy_(staging, non_blocking=True)
+                bufs.append(b)
+        return [byte_views(b, plan, layout) for b in bufs]
+
+    def _pack_rnn(self, module, weights, j: int, device: torch.device):
+        """Replica ``j``'s weights of RNN ``module``: views of a buffer in the layout
+        cuDNN wants on ``device``, packed in one launch."""
+        layout = rnn.RNNLayout.for_module(module, device=device)
+        nbytes = layout.numel * layout.dtype.itemsize
+        buf = self.pool.get((self.tag, "rnn", id(module), j), nbytes, device)
+        flat = buf.view(layout.dtype)
+        if weights[0].device == device:
+            rnn.pack(weights, layout, out=flat)
+        else:
+            # Pack on the source in the destination's layout, then one copy.
+            src_layout = rnn.RNNLayout(**{**_layout_fields(layout), "device": weights[0].device})
+            staging = self.pool.get((self.tag, "rnn", id(module), 0), nbytes, weights[0].device)
+            rnn.pack(weights, src_layout, out=staging.view(layout.dtype))
+            buf.copy_(staging, non_blocking=True)
+        return layout.views(flat)
+
+
+def _layout_fields(layout) -> dict:
+    return {f: getattr(layout, f) for f in (
+        "mode", "input_size", "hidden_size", "num_layers", "bidirectional", "bias", "proj_size",
+        "dtype", "device", "names", "shapes", "offsets", "numel", "source")}
+
+
+def _rnn_groups(network, tensors):
+    """RNN modules whose weights are all among ``tensors``, with their positions."""
+    index = {id(t): i for i, t in enumerate(tensors)}
+    groups = []
+    for m in network.modules():
+        if isinstance(m, torch.nn.RNNBase):
+            weights = [getattr(m, n, None) for n in m._flat_weights_names]
+            if weights and all(w is not None and id(w) in index for w in weights) \
+                    and len({w.dtype for w in weights}) == 1:
+                groups.append((m, [index[id(w)] for w in weights]))
+    return groups
+
+
+def _broadcast(tensors, placement: _Placement, detach: bool):
+    if not tensors:
+        return [[] for _ in placement.devices]
+    if detach:
+        return placement.place(tensors)
+    copies = Broadcast.apply(placement, *tensors)
+    n = len(tensors)
+    return [list(copies[i : i + n]) for i in range(0, len(copies), n)]
+
+
+def replicate(network, devices, detach=False):
+    r"""Replicate ``network`` on ``devices``, as ``torch.nn.parallel.replicate`` does.
+
+    Args:
+        network (Module): the module to replicate; its parameters and buffers live on
+            ``devices[0]``.
+        devices (sequence of int, str or torch.device): CUDA devices, or ``"cpu"``
+            entries for replicas in host memory (repeats allowed).
+        detach (bool): if True, the copies are not connected to ``network``'s parameters
+            by autograd (what ``DataParallel`` does under ``torch.no_grad()``).
+
+    Returns:
+        list of Module: one replica per device; the first shares ``network``'s storage.
+
+    Gradients of the replicas' parameters flow back into ``network``'s through one fused
+    reduce-add launch per dtype (Broadcast's backward).
+    """
+    if not _replicatable_module(network):
+        raise RuntimeError("Cannot replicate network where python modules are children of ScriptModule")
+    if not devices:
+        return []
+    devs = comm._devices(devices, "devices")
+    num_replicas = len(devs)
+    pool = _POOLS.get(network)
+    if pool is None:
+        pool = _POOLS[network] = _BufferPool()
+
+    params = list(network.parameters())
+    param_indices = {p: i for i, p in enumerate(params)}
+    param_copies = _broadcast(params, _Placement(devs, pool, "params", _rnn_groups(network, params)), detach)
+
+    buffers = list(network.buffers())
+    buffers_rg = [b for b in buffers if b.requires_grad and not detach]
+    buffers_not_rg = [b for b in buffers if not (b.requires_grad and not detach)]
+    idx_rg = {b: i for i, b in enumerate(buffers_rg)}
+    idx_not_rg = {b: i for i, b in enumerate(buffers_not_rg)}
+    copies_rg = _broadcast(buffers_rg, _Placement(devs, pool, "buffers_rg"), detach)
+    copies_not_rg = _broadcast(buffers_not_rg, _Placement(devs, pool, "buffers"), True)
+
+    modules = list(network.modules())
+    module_copies = [[] for _ in devs]
+    module_indices = {}
+    for i, module in enumerate(modules):
+        module_indices[module] = i
+        for j in range(num_replicas):
+            replica = module._replicate_for_data_parallel()
+            replica._former_parameters = OrderedDict()
+            module_copies[j].append(replica)
+
+    for i, module in enumerate(modules):
+        for key, child in module._modules.items():
+            for j in range(num_replicas):
+                replica = module_copies[j][i]
+                if child is None:
+                    replica._modules[key] = None
+                else:
+                    setattr(replica, key, module_copies[j][module_indices[child]])
+        for key, param in module._parameters.items():
+            for j in range(num_replicas):
+                replica = module_copies[j][i]
+                if param is None:
+                    replica._parameters[key] = None
+                else:
+                    copy = param_copies[j][param_indices[param]]
+                    setattr(replica, key, copy)
+                    replica._former_parameters[key] = copy
+        for key, buf in module._buffers.items():
+            for j in range(num_replicas):
+                replica = module_copies[j][i]
+                if buf is None:
+                    replica._buffers[key] = None
+                elif buf.requires_grad and not detach:
+                    setattr(replica, key, copies_rg[j][idx_rg[buf]])
+                else:
+                    setattr(replica, key, copies_not_rg[j][idx_not_rg[buf]])
+    return [module_copies[j][0] for j in range(num_replicas)]

@@ -1,0 +1,76 @@
+"""Scatter and gather of nested structures (tensors, tuples, lists, dicts, namedtuples)
+across devices, as ``torch.nn.parallel.scatter_gather`` does, on fastpar's Scatter and
+Gather autograd functions (which also take ``"cpu"`` replica devices)."""
+from __future__ import annotations
+
+import torch
+
+from . import comm
+from ._functions import Gather, Scatter
+
+__all__ = ["gather", "scatter", "scatter_kwargs"]
+
+
+def _is_namedtuple(obj) -> bool:
+    return isinstance(obj, tuple) and hasattr(obj, "_asdict") and hasattr(obj, "_fields")
+
+
+def scatter(inputs, target_devices, dim=0):
+    r"""Slice tensors into approximately equal chunks along ``dim``, one per device;
+    tuples, lists, dicts and namedtuples are walked, other objects are referenced once
+    per device. A batch smaller than the device count gives fewer chunks."""
+    devs = comm._devices(target_devices, "target_devices")
+
+    def scatter_map(obj):
+        if isinstance(obj, torch.Tensor):
+            return Scatter.apply(devs, None, dim, obj)
+        if _is_namedtuple(obj):
+            return [type(obj)(*args) for args in zip(*map(scatter_map, obj))]
+        if isinstance(obj, tuple) and len(obj) > 0:
+            return list(zip(*map(scatter_map, obj)))
+        if isinstance(obj, list) and len(obj) > 0:
+            return [list(i) for i in zip(*map(scatter_map, obj))]
+        if isinstance(obj, dict) and len(obj) > 0:
+            return [type(obj)(i) for i in zip(*map(scatter_map, obj.items()))]
+        return [obj for _ in devs]
+
+    try:
+        return scatter_map(inputs)
+    finally:
+        scatter_map = None  # break the closure's reference cycle
+
+
+def scatter_kwargs(inputs, kwargs, target_devices, dim=0):
+    r"""Scatter ``inputs`` and ``kwargs``; pads the shorter with empty tuples/dicts."""
+    scattered_inputs = scatter(inputs, target_devices, dim) if inputs else []
+    scattered_kwargs = scatter(kwargs, target_devices, dim) if kwargs else []
+    if len(scattered_inputs) < len(scattered_kwargs):
+        scattered_inputs.extend(() for _ in range(len(scattered_kwargs) - len(scattered_inputs)))
+    elif len(scattered_kwargs) < len(scattered_inputs):
+        scattered_kwargs.extend({} for _ in range(len(scattered_inputs) - len(scattered_kwargs)))
+    return tuple(scattered_inputs), tuple(scattered_kwargs)
+
+
+def gather(outputs, target_device, dim=0):
+    r"""Gather per-device outputs onto ``target_device``, walking the same structures;
+    0-dim tensors are gathered into a vector (with torch's warning)."""
+    dst = comm._device(target_device, "target_device")
+
+    def gather_map(outs):
+        out = outs[0]
+        if isinstance(out, torch.Tensor):
+            return Gather.apply(dst, dim, *outs)
+        if out is None:
+            return None
+        if isinstance(out, dict):
+            if not all(len(out) == len(d) for d in outs):
+                raise ValueError("All dicts must have the same number of keys")
+            return type(out)((k, gather_map([d[k] for d in outs])) for k in out)
+        if _is_namedtuple(out):
+            return type(out)._make(map(gather_map, zip(*outs)))
+        return type(out)(map(gather_map, zip(*outs)))
+
+    try:
+        return gather_map(outputs)
+    finally:
+        gather_map = None

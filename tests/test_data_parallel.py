@@ -1,0 +1,246 @@
+"""fastpar.DataParallel on CPU replicas against the same model on one device under
+DataParallel's rules (fp64, tight tolerances), plus the input/output structures, the
+no-grad path, failures, and CUDA comparisons with torch.nn.DataParallel."""
+from __future__ import annotations
+
+import collections
+import threading
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+
+import fastpar
+from fastpar import rnn
+from fastpar.data_parallel import DataParallel, data_parallel
+
+TOL = dict(rtol=1e-10, atol=1e-12)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.lstm = nn.LSTM(8, 6, num_layers=2, bidirectional=True, batch_first=True)
+        self.gru = nn.GRU(12, 5, batch_first=True)
+        self.bn = nn.BatchNorm1d(5)
+        self.fc = nn.Linear(5, 3)
+
+    def forward(self, tokens):
+        x, _ = self.lstm(self.emb(tokens))
+        x, _ = self.gru(x)
+        return self.fc(self.bn(x[:, -1]))
+
+
+def reference_forward(model, tokens, k):
+    """DataParallel's semantics on one device: each chunk runs with the shared
+    parameters; BatchNorm statistics are per chunk, and only the first chunk's running
+    statistics are kept (the replica on device_ids[0] shares the module's buffers)."""
+    outs = []
+    for i, chunk in enumerate(tokens.chunk(k)):
+        if i == 0:
+            outs.append(model(chunk))
+        else:
+            state = {n: b.clone() for n, b in model.named_buffers()}
+            state.update(dict(model.named_parameters()))
+            outs.append(functional_call(model, state, (chunk,)))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_training_equivalence(k):
+    torch.manual_seed(0)
+    model = Net().double()
+    ref = Net().double()
+    ref.load_state_dict(model.state_dict())
+    dp = DataParallel(model, device_ids=["cpu"] * k)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(5):
+        tokens = torch.randint(0, 20, (8, 5))  # 8 rows: uneven chunks on 3 devices
+        target = torch.randn(8, 3, dtype=torch.float64)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        out = dp(tokens)
+        ref_out = reference_forward(ref, tokens, k)
+        torch.testing.assert_close(out, ref_out, **TOL, msg=f"step {step} outputs")
+        loss = nn.functional.mse_loss(out, target)
+        ref_loss = nn.functional.mse_loss(ref_out, target)
+        torch.testing.assert_close(loss, ref_loss, **TOL)
+        loss.backward()
+        ref_loss.backward()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, **TOL, msg=f"step {step} grad {n}")
+        opt.step()
+        ref_opt.step()
+    for (n, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(a, b, **TOL, msg=f"final {n}")
+
+
+def test_state_dict_keys_match_torch():
+    m = Net()
+    assert list(DataParallel(m, device_ids=["cpu", "cpu"]).state_dict()) == list(nn.DataParallel(m).state_dict())
+
+
+def test_replica_rnns_are_flat_and_params_contiguous():
+    model = Net()
+    dp = DataParallel(model, device_ids=["cpu", "cpu"])
+    seen = {}
+
+    def hook(mod, args, out):
+        seen[threading.get_ident(), id(mod)] = rnn.is_flat(mod)
+
+    for m in (model.lstm, model.gru):
+        m.register_forward_hook(hook)
+    dp(torch.randint(0, 20, (4, 3)))
+    assert len(seen) == 4 and all(seen.values()), seen
+
+
+def test_batch_smaller_than_devices():
+    model = nn.Linear(4, 2).double()
+    dp = DataParallel(model, device_ids=["cpu", "cpu", "cpu"])
+    x = torch.randn(2, 4, dtype=torch.float64)
+    torch.testing.assert_close(dp(x), model(x))
+    x1 = torch.randn(1, 4, dtype=torch.float64)
+    torch.testing.assert_close(dp(x1), model(x1))
+
+
+Pair = collections.namedtuple("Pair", "a b")
+
+
+class Structured(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3).double()
+
+    def forward(self, x, *, extra=None, opts=None):
+        y = self.lin(x["feat"] + x["pair"].b)
+        if extra is not None:
+            y = y + extra[0]
+        return {"y": y, "pair": Pair(y * 2, [y.sum(1)]), "none": None}
+
+
+def test_nested_structures_and_kwargs():
+    m = Structured()
+    dp = DataParallel(m, device_ids=["cpu", "cpu"])
+    feat, b, extra = (torch.randn(6, 3, dtype=torch.float64) for _ in range(3))
+    out = dp({"feat": feat, "pair": Pair(None, b)}, extra=(extra,), opts="shared")
+    ref_y = m.lin(feat + b) + extra
+    torch.testing.assert_close(out["y"], ref_y)
+    assert isinstance(out["pair"], Pair)
+    torch.testing.assert_close(out["pair"].a, ref_y * 2)
+    torch.testing.assert_close(out["pair"].b[0], ref_y.sum(1))
+    assert out["none"] is None
+
+
+def test_kwargs_only():
+    class K(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3))
+
+        def forward(self, *, x):
+            return x * self.w
+
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(DataParallel(K(), device_ids=["cpu", "cpu"])(x=x), x)
+
+
+def test_scalar_outputs_gathered_with_warning():
+    class S(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.tensor(2.0))
+
+        def forward(self, x):
+            return (x * self.w).sum()
+
+    dp = DataParallel(S(), device_ids=["cpu", "cpu"])
+    with pytest.warns(UserWarning, match="all input tensors were scalars"):
+        out = dp(torch.ones(4, 1))
+    assert out.shape == (2,)
+    out.sum().backward()
+    assert dp.module.w.grad.item() == 4.0
+
+
+def test_no_grad_forward_uses_detached_replicas():
+    model = Net()
+    dp = DataParallel(model, device_ids=["cpu", "cpu"])
+    with torch.no_grad():
+        out = dp(torch.randint(0, 20, (4, 3)))
+    assert not out.requires_grad
+
+
+def test_failure_in_a_replica_names_it_and_leaves_no_thread():
+    class Boom(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x):
+            if x[0, 0] > 100:
+                raise ValueError("bad row")
+            return self.lin(x)
+
+    before = threading.active_count()
+    x = torch.zeros(4, 2)
+    x[2, 0] = 1000  # lands in replica 1
+    with pytest.raises(ValueError, match=r"(?s)in replica 1 on device cpu.*bad row"):
+        DataParallel(Boom(), device_ids=["cpu", "cpu"])(x)
+    assert threading.active_count() == before
+
+
+def test_functional_data_parallel():
+    model = nn.Linear(3, 2).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    torch.testing.assert_close(data_parallel(model, x, device_ids=["cpu", "cpu"]), model(x))
+
+
+def test_module_on_wrong_device_is_rejected():
+    dp = DataParallel(nn.Linear(2, 2).to("meta"), device_ids=["cpu", "cpu"])
+    with pytest.raises(RuntimeError, match=r"module must have its parameters and buffers on device cpu"):
+        dp(torch.randn(2, 2))
+
+
+def test_no_devices_without_cuda_calls_module():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: default device_ids are the GPUs")
+    m = nn.Linear(2, 2)
+    dp = DataParallel(m)
+    x = torch.randn(3, 2)
+    assert dp.device_ids == [] and torch.equal(dp(x), m(x))
+
+
+@pytest.mark.parametrize("be", ["numba", "triton"])
+def test_launch_counts_independent_of_parameter_count(be):
+    totals = []
+    for width in (1, 8):
+        m = nn.Sequential(*[nn.Linear(4, 4) for _ in range(width)])
+        dp = DataParallel(m, device_ids=["cpu", "cpu"])
+        with fastpar.use_backend(be), fastpar.count_launches() as n:
+            dp(torch.randn(4, 4)).sum().backward()
+        totals.append(n.total)
+    assert totals[0] == totals[1], totals
+
+
+needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2+ CUDA devices")
+
+
+@needs_2_gpus
+def test_cuda_matches_torch_data_parallel_and_no_rnn_warning(recwarn):
+    torch.manual_seed(0)
+    model = Net().cuda()
+    ref = Net().cuda()
+    ref.load_state_dict(model.state_dict())
+    ids = list(range(torch.cuda.device_count()))
+    tokens = torch.randint(0, 20, (8, 5))
+    out = DataParallel(model, device_ids=ids)(tokens)
+    ref_out = nn.DataParallel(ref, device_ids=ids)(tokens)
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
+    out.sum().backward()
+    ref_out.sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-4)
+    assert not [w for w in recwarn.list if "contiguous chunk of memory" in str(w.message)
+                and "fastpar" not in w.filename]

@@ -1,0 +1,129 @@
+"""fastpar.replicate: torch's semantics, one contiguous buffer per replica, cuDNN-layout
+RNN buffers, persistent buffers, and launch counts that grow with devices only."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+import fastpar
+from fastpar import rnn
+from fastpar.replicate import _POOLS, replicate
+
+
+def small_net(n_linear=2):
+    layers = [nn.Linear(6, 6) for _ in range(n_linear)]
+    return nn.Sequential(*layers, nn.BatchNorm1d(6), nn.LSTM(6, 4, 2, bidirectional=True, batch_first=True))
+
+
+def test_replicas_match_and_first_shares_storage():
+    net = small_net()
+    reps = replicate(net, ["cpu", "cpu", "cpu"])
+    assert len(reps) == 3
+    src = dict(net.named_parameters())
+    for j, r in enumerate(reps):
+        for name, t in _plain_tensors(r):
+            assert torch.equal(t, src[name])
+        if j == 0:
+            assert all(t.data_ptr() == src[n].data_ptr() for n, t in _plain_tensors(r))
+        else:
+            assert all(t.data_ptr() != src[n].data_ptr() for n, t in _plain_tensors(r) if t.numel())
+
+
+def _plain_tensors(replica):
+    """Replicas hold parameter copies as plain attributes (as torch's do)."""
+    out = []
+    for mod_name, m in replica.named_modules():
+        for k, v in vars(m).items():
+            if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter) and k in m._former_parameters:
+                out.append((f"{mod_name}.{k}" if mod_name else k, v))
+    return out
+
+
+def test_non_rnn_params_share_one_storage_and_rnn_is_flat():
+    net = small_net()
+    reps = replicate(net, ["cpu", "cpu"])
+    r = reps[1]
+    lstm = r[-1]
+    rnn_ids = {id(w) for w in lstm._flat_weights}
+    others = [t for n, t in _plain_tensors(r) if id(t) not in rnn_ids]
+    assert len({t.untyped_storage().data_ptr() for t in others}) == 1
+    assert rnn.is_flat(lstm)
+    assert lstm._flat_weights[0].storage_offset() == 0
+
+
+def test_gradients_flow_back_through_fused_reduce():
+    net = small_net().double()
+    x = torch.randn(4, 3, 6, dtype=torch.float64)
+    reps = replicate(net, ["cpu", "cpu"])
+    loss = sum(r[-1](r[:2](xx))[0].sum() for r, xx in zip(reps, x.chunk(2)))
+    loss.backward()
+    ref = small_net().double()
+    ref.load_state_dict(net.state_dict())
+    (ref[-1](ref[:2](x[:2]))[0].sum() + ref[-1](ref[:2](x[2:]))[0].sum()).backward()
+    for (n, a), b in zip(net.named_parameters(), ref.parameters()):
+        if b.grad is None:  # unused (BatchNorm here): zeros through the reduce, as in torch's DataParallel
+            assert a.grad is None or not a.grad.any(), n
+            continue
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12, msg=n)
+
+
+@pytest.mark.parametrize("be", ["numba", "triton"])
+def test_launches_grow_with_devices_not_parameters(be):
+    counts = {}
+    for n_linear in (1, 12):
+        net = nn.Sequential(*[nn.Linear(3, 3) for _ in range(n_linear)])
+        for devices in (2, 3):
+            x = torch.randn(6, 3)
+            with fastpar.use_backend(be), fastpar.count_launches() as n:
+                reps = replicate(net, ["cpu"] * devices)
+                sum(r(xx).sum() for r, xx in zip(reps, x.chunk(devices))).backward()
+            counts[(n_linear, devices)] = n.total
+    assert counts[(1, 2)] == counts[(12, 2)] and counts[(1, 3)] == counts[(12, 3)], counts
+    assert counts[(12, 2)] <= 2, counts  # one flatten + one fused reduce
+
+
+def test_buffers_are_reused_and_never_overwritten_while_referenced():
+    net = nn.Sequential(nn.Linear(5, 5), nn.LSTM(5, 3, batch_first=True))
+    old = replicate(net, ["cpu", "cpu"], detach=True)
+    snapshot = [t.clone() for _, t in _plain_tensors(old[1])]
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(1.0)
+    new = replicate(net, ["cpu", "cpu"], detach=True)
+    assert all(torch.equal(a, t) for a, (_, t) in zip(snapshot, _plain_tensors(old[1]))), "old replica changed"
+    assert all(torch.equal(t, dict(net.named_parameters())[n]) for n, t in _plain_tensors(new[1]))
+    pool = _POOLS[net]
+    del old, new
+    gc.collect()
+    replicate(net, ["cpu", "cpu"], detach=True)  # refills the freed buffers
+    before = pool.allocations
+    for _ in range(3):
+        reps = replicate(net, ["cpu", "cpu"], detach=True)
+        del reps
+    assert pool.allocations == before, "steady state allocates nothing"
+
+
+def test_buffers_requiring_grad_are_differentiable():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("scale", torch.ones(3, requires_grad=True))
+
+        def forward(self, x):
+            return x * self.scale
+
+    m = M()
+    reps = replicate(m, ["cpu", "cpu"])
+    sum(r(torch.ones(3)).sum() for r in reps).backward()
+    assert torch.equal(m.scale.grad, torch.full((3,), 2.0))
+    reps = replicate(m, ["cpu", "cpu"], detach=True)
+    assert not reps[1].scale.requires_grad
+
+
+def test_replicate_bad_input():
+    with pytest.raises(ValueError, match="must not repeat a CUDA device"):
+        replicate(nn.Linear(2, 2), [0, 0])
+    assert replicate(nn.Linear(2, 2), []) == []
