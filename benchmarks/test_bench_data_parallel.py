@@ -1,0 +1,200 @@
+"""replicate and one DataParallel step on CPU replicas (issue #5 targets): fastpar vs
+torch's own algorithm replayed on CPU tensors (torch.nn.parallel refuses CPU devices):
+``_take_tensors`` buckets flattened by ``torch.cat`` into fresh buffers on every call,
+one copy per device, unflattened views; in backward, per-bucket flattens and pairwise
+adds. Steady state: two warm-up iterations first."""
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+from conftest import measure
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _reorder_tensors_as, _take_tensors, _unflatten_dense_tensors
+from torch.autograd import Function
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import importlib
+
+import fastpar
+
+# (``torch.nn.parallel.replicate`` the attribute is the function; this is the module.)
+torch_replicate_mod = importlib.import_module("torch.nn.parallel.replicate")
+
+BUFFER = 10485760
+
+
+def _torch_broadcast_coalesced(tensors, k):
+    """torch's broadcast_coalesced on CPU: per bucket, flatten (cat into a fresh buffer),
+    one copy per other device, unflatten into views."""
+    outputs = [list(tensors)] + [[] for _ in range(k - 1)]
+    chunks = list(_take_tensors(list(tensors), BUFFER))
+    per_device = [[] for _ in range(k - 1)]
+    for chunk in chunks:
+        flat = _flatten_dense_tensors(chunk)
+        for j in range(k - 1):
+            per_device[j].extend(_unflatten_dense_tensors(flat.clone(), chunk))
+    for j in range(k - 1):
+        outputs[j + 1] = _reorder_tensors_as(per_device[j], tensors)
+    return outputs
+
+
+def _torch_reduce_add_coalesced(inputs):
+    ref_order = list(inputs[0])
+    output = []
+    for chunks in zip(*[_take_tensors(t, BUFFER) for t in inputs]):
+        flats = [_flatten_dense_tensors(c) for c in chunks]
+        result = flats[0] + flats[1]
+        for other in flats[2:]:
+            result.add_(other)
+        output.extend(t.data for t in _unflatten_dense_tensors(result, chunks[0]))
+    return tuple(_reorder_tensors_as(output, ref_order))
+
+
+class _TorchBroadcast(Function):
+    @staticmethod
+    def forward(ctx, k, *inputs):
+        ctx.n = len(inputs)
+        return tuple(t for ts in _torch_broadcast_coalesced(inputs, k) for t in ts)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        per = [list(grads[i : i + ctx.n]) for i in range(0, len(grads), ctx.n)]
+        return (None,) + _torch_reduce_add_coalesced(per)
+
+
+def _reshape(tensors, devices, detach=False):
+    if not tensors:
+        return []
+    if detach:
+        return _torch_broadcast_coalesced(tensors, len(devices))
+    copies = _TorchBroadcast.apply(len(devices), *tensors)
+    n = len(tensors)
+    return [list(copies[i : i + n]) for i in range(0, len(copies), n)]
+
+
+@contextlib.contextmanager
+def torch_algorithm():
+    """torch.nn.parallel.replicate with its comm steps replayed on CPU tensors."""
+    saved = torch_replicate_mod._broadcast_coalesced_reshape
+    torch_replicate_mod._broadcast_coalesced_reshape = _reshape
+    try:
+        yield lambda net, k: torch_replicate_mod.replicate(net, list(range(k)))
+    finally:
+        torch_replicate_mod._broadcast_coalesced_reshape = saved
+
+
+def transformer():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return nn.Transformer()
+
+
+def lstm():
+    return nn.LSTM(1024, 1024, 4, bidirectional=True)
+
+
+MODELS = {"transformer": transformer, "lstm": lstm}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model(request):
+    torch.manual_seed(0)
+    return request.param, MODELS[request.param]()
+
+
+@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("provider", ["fastpar", "torch"])
+def test_replicate(benchmark, model, k, provider):
+    name, net = model
+    benchmark.group = f"replicate K={k}: {name}"
+    nbytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    if provider == "fastpar":
+        fn = lambda: fastpar.replicate(net, ["cpu"] * k)
+        measure(benchmark, fn, nbytes * k, rounds=8)
+    else:
+        with torch_algorithm() as rep:
+            measure(benchmark, lambda: rep(net, k), nbytes * k, rounds=8)
+
+
+class _Head(nn.Module):
+    def __init__(self, body):
+        super().__init__()
+        self.body = body
+
+    def forward(self, x):
+        out = self.body(x)
+        return out[0] if isinstance(out, tuple) else out
+
+
+@pytest.mark.parametrize("provider", ["fastpar", "torch"])
+def test_data_parallel_step(benchmark, provider):
+    """One forward+backward of a 2-layer bidirectional LSTM(256) on 2 CPU replicas."""
+    torch.manual_seed(0)
+    net = _Head(nn.LSTM(256, 256, 2, bidirectional=True, batch_first=True))
+    x = torch.randn(8, 16, 256)
+    benchmark.group = "DataParallel fwd+bwd step, 2 CPU replicas: lstm(256)x2 bi"
+    nbytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    if provider == "fastpar":
+        dp = fastpar.DataParallel(net, device_ids=["cpu", "cpu"])
+        measure(benchmark, lambda: dp(x).sum().backward(), nbytes * 4, rounds=10)
+    else:
+        with torch_algorithm() as rep:
+            def step():
+                reps = rep(net, 2)
+                outs = fastpar.parallel_apply.parallel_apply(reps, [(c,) for c in x.chunk(2)], None, ["cpu", "cpu"])
+                torch.cat(outs).sum().backward()
+
+            measure(benchmark, step, nbytes * 4, rounds=10)
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the aten ops that would be kernel launches on a GPU (copies, cats, adds)."""
+
+    NAMES = ("cat", "copy_", "clone", "add", "add_", "_to_copy")
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in self.NAMES:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def launch_table():
+    """(model, K) -> (fastpar launches, torch-algorithm launches) for replicate + the
+    backward reduce: fastpar kernels plus the copies it leaves to torch."""
+    rows = []
+    for name, make in MODELS.items():
+        net = make()
+        for k in (2, 4):
+            counts = []
+            for provider in ("fastpar", "torch"):
+                net.zero_grad()
+                with torch_algorithm() as torch_rep, fastpar.count_launches() as n:
+                    rep = torch_rep if provider == "torch" else (lambda m, k: fastpar.replicate(m, ["cpu"] * k))
+                    with CountOps() as ops:
+                        reps = rep(net, k)
+                    # The loss is built outside the counted regions: only replicate and
+                    # the backward reduce are counted.
+                    loss = torch.stack([p.pow(2).sum() for r in reps for p in _plain(r)]).sum()  # contiguous grads
+                    with CountOps() as ops_bwd:
+                        loss.backward()
+                counts.append(n.total + ops.count + ops_bwd.count)
+            rows.append((name, k, *counts))
+    return rows
+
+
+def _plain(replica):
+    return [v for m in replica.modules() for key, v in vars(m).items()
+            if isinstance(v, torch.Tensor) and key in getattr(m, "_former_parameters", {})]
+
+
+if __name__ == "__main__":
+    print("| model | replicas | fastpar launches | torch's algorithm |\n| --- | --- | --- | --- |")
+    for name, k, f, t in launch_table():
+        print(f"| {name} | {k} | {f} | {t} |")
