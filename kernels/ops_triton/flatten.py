@@ -7,6 +7,8 @@ pointer table in device memory (no 4 KB kernel-argument limit, unlike apex's and
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -108,10 +110,12 @@ def _launch_copy(group, flat, scale, to_flat: bool, block: int, num_warps: int) 
         return
     table = group.device_table(block, flat.device)
     kernel_flat = flat_view(flat, cx["STORE"] if to_flat else cx["SRC"], to_flat)
-    copy_kernel.on(flat.device)[(n_blocks,)](
-        table, len(group.numels), kernel_flat, 1.0 if scale is None else float(scale),
-        num_warps=num_warps, **cx,
-    )
+    # Launch on the flat buffer's device (Triton launches on the current device).
+    with torch.cuda.device(flat.device) if flat.device.type == "cuda" else contextlib.nullcontext():
+        copy_kernel.on(flat.device)[(n_blocks,)](
+            table, len(group.numels), kernel_flat, 1.0 if scale is None else float(scale),
+            num_warps=num_warps, **cx,
+        )
     _launch.launches.record("triton", "flatten" if to_flat else "unflatten_into")
 
 
