@@ -1,4 +1,6 @@
-"""``python -m fastpar``: ``info`` (environment and backends)."""
+"""``python -m fastpar``: ``info`` (environment and backends), ``bench [--quick]``
+(fastpar vs torch on the real workloads: table, JSON and plot under ``results/bench/``)
+and ``autotune [--quick]`` (tune launch parameters; saved under ``results/autotune/``)."""
 from __future__ import annotations
 
 import argparse
@@ -28,6 +30,14 @@ def _info(args) -> int:
         n = torch.cuda.device_count()
         peers = [f"{i}->{j}" for i in range(n) for j in range(n) if i != j and torch.cuda.can_device_access_peer(i, j)]
         print(f"  peer access: {', '.join(peers) or 'none'}")
+    from fastpar import _tuning
+
+    print(f"tuned launch parameters (results dir {_tuning.results_dir()}):")
+    for d in devices:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", _tuning.TuningWarning)  # shown as the state below
+            st = _tuning.status(d)
+        print(f"  {str(d):8s} {st['state']}: {st['reason']}")
     print("triton ahead-of-time compile (no GPU needed):")
     from fastpar.kernels.ops_triton import aot
 
@@ -41,12 +51,56 @@ def _info(args) -> int:
     return 0
 
 
+def _quiet_triton() -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
+
+
+def _bench(args) -> int:
+    _quiet_triton()
+    from . import bench
+
+    return bench.main(args)
+
+
+def _autotune(args) -> int:
+    import logging
+
+    _quiet_triton()
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    from . import _tuning, autotune
+
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()] if args.ops else None
+    try:
+        result = autotune.tune(ops, quick=args.quick, space=args.space, root=args.results_dir,
+                               progress=not args.no_progress)
+    except (_tuning.TuningFileError, ValueError) as e:
+        print(f"autotune: {e}", file=sys.stderr)
+        return 2
+    autotune.print_summary(result)
+    return 0 if all(r["path"] is not None for r in result.values()) else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fastpar", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, devices, the backend of each, Triton AOT check")
+    pb = sub.add_parser("bench", help="fastpar vs torch on the real workloads: table, JSON and plot in results/bench/")
+    from .bench import add_arguments
+
+    add_arguments(pb)
+    pa = sub.add_parser("autotune", help="tune launch parameters for this machine; saved in results/autotune/")
+    pa.add_argument("--quick", action="store_true", help="fewer sizes and a shorter budget per key")
+    pa.add_argument("--ops", default=None, help="comma-separated ops of the search space (default: all)")
+    pa.add_argument("--space", default=None, help="search-space JSON (default: fastpar/tuning_space.json)")
+    pa.add_argument("--results-dir", default=None,
+                    help="results folder to write autotune/<device>.json in (default: $FASTPAR_RESULTS_DIR, else the "
+                         "source checkout's results/, else ~/.cache/fastpar)")
+    pa.add_argument("--no-progress", action="store_true", help="no progress bar")
+    pa.add_argument("-v", "--verbose", action="store_true", help="log what is tuned and skipped")
     args = parser.parse_args(argv)
-    return {"info": _info}[args.command](args)
+    return {"info": _info, "bench": _bench, "autotune": _autotune}[args.command](args)
 
 
 if __name__ == "__main__":

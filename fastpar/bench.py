@@ -1,0 +1,455 @@
+r"""``python -m fastpar bench [--quick]``: fastpar against torch on the real workloads,
+on every device present, as a table, a JSON file and a plot.
+
+For each case of :data:`CASES` and each workload of :data:`fastpar._workloads.WORKLOADS`
+(the parameters of ``torch.nn.Transformer()``, of ``LSTM(1024, 1024, 4,
+bidirectional=True)``, and 10,000 tensors of 64 floats; ``--quick`` uses the small
+variants), the providers are measured in the same run, in interleaved rounds (round
+``r`` calls each provider once, in a rotated order, so a neighbour's load on a shared
+machine hits all of them alike):
+
+* ``fastpar``: the op as users call it, with the tuned launch parameters when
+  ``results/autotune/<device>.json`` has them;
+* ``fastpar untuned``: the same call with the launchers' defaults (only when the tuned
+  parameters differ from them): the same-run gain of tuning;
+* ``torch``: the same baselines as ``benchmarks/test_bench_flatten.py``;
+* ``copy_``: one ``Tensor.copy_`` of the workload's numel (fp32) into a touched buffer:
+  the bandwidth ceiling.
+
+Figures are GB/s = bytes read plus written per call / median time (CPU: median of
+``time.perf_counter`` after warm-up; CUDA: ``triton.testing.do_bench``). The table is
+printed as Markdown; ``<results>/bench/<device-slug>-<UTC timestamp>.json`` and ``.png``
+(GB/s against the workload's bytes, one line per provider, the copy ceiling dashed) are
+written (``<results>`` as in :mod:`fastpar._tuning`, or ``--results-dir``).
+
+Adding an op is a few lines: a setup function that receives the workload's tensors and
+returns a :class:`Setup` (the fastpar call, the torch baseline, bytes per call), and a
+:class:`Case` appended to :data:`CASES`::
+
+    def _reduce_add(ts):
+        import fastpar.comm
+        copies = [ts, [t.clone() for t in ts]]          # two CPU "replicas"
+        out = [torch.empty_like(t) for t in ts]
+        def base():
+            torch._foreach_add(copies[0], copies[1])    # torch's best equivalent
+        return Setup(lambda: fastpar.comm.reduce_add_coalesced(copies, "cpu", out=out), base,
+                     3 * nbytes(ts))
+
+    CASES.append(Case("reduce_add_coalesced", "fp32", _reduce_add,
+                      tuned=("reduce_add", torch.float32, torch.float32)))
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import torch
+
+from . import _dispatch, _tuning
+from ._workloads import WORKLOADS, nbytes
+
+#: Schema tag of the bench JSON (bump on an incompatible change).
+SCHEMA = "fastpar.bench/1"
+PROVIDERS = ("fastpar", "fastpar untuned", "torch", "copy_")
+#: Time budget per (case, workload) in seconds, and rounds bounds, per size setting.
+BUDGET = {"full": (3.0, 10, 60), "quick": (0.4, 5, 30), "tiny": (0.02, 3, 5)}
+
+
+class Setup(NamedTuple):
+    """What a case's setup returns for one workload."""
+
+    #: One call of the fastpar op (tuned parameters apply).
+    fastpar: Callable
+    #: One call of torch's equivalent.
+    torch: Callable
+    #: Bytes read plus written by one call.
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Case:
+    """One row kind of the table."""
+
+    #: Op label shown in the table.
+    op: str
+    #: Dtype label shown in the table (``"fp32"``, ``"fp32->bf16"``).
+    dtype: str
+    #: ``setup(tensors) -> Setup`` (tensors: the workload, on the benchmarked device).
+    setup: Callable
+    #: ``(tuning op, source dtype, destination dtype)`` of the fastpar call, to look up
+    #: its tuned parameters and measure the untuned default beside them; None: skip.
+    tuned: tuple | None = None
+
+
+def _flatten_alloc(ts):
+    return Setup(lambda: __import__("fastpar").flatten(ts), lambda: torch._utils._flatten_dense_tensors(ts),
+                 2 * nbytes(ts))
+
+
+def _flatten_out(ts):
+    import fastpar
+
+    n = sum(t.numel() for t in ts)
+    out = torch.zeros(n, dtype=ts[0].dtype, device=ts[0].device)
+    views = [t.reshape(-1) for t in ts]
+    return Setup(lambda: fastpar.flatten(ts, out=out), lambda: torch.cat(views, out=out), 2 * nbytes(ts))
+
+
+def _flatten_bf16_scale(ts):
+    import fastpar
+
+    n = sum(t.numel() for t in ts)
+    dev = ts[0].device
+    out = torch.zeros(n, dtype=torch.bfloat16, device=dev)
+    views = [t.reshape(-1) for t in ts]
+    buf = torch.zeros(n, device=dev)
+
+    def base():  # torch's best three-pass equivalent: cat into a reused buffer, scale, cast
+        torch.cat(views, out=buf)
+        buf.mul_(0.125)
+        out.copy_(buf)
+
+    return Setup(lambda: fastpar.flatten(ts, dtype=torch.bfloat16, scale=0.125, out=out), base,
+                 nbytes(ts) + 2 * n)
+
+
+def _unflatten_into(ts):
+    import fastpar
+
+    n = sum(t.numel() for t in ts)
+    flat = torch.randn(n, device=ts[0].device)
+    dst = [torch.zeros_like(t) for t in ts]
+    views = list(fastpar.unflatten(flat, dst))
+    return Setup(lambda: fastpar.unflatten_into(flat, dst), lambda: torch._foreach_copy_(dst, views),
+                 2 * nbytes(ts))
+
+
+F32, BF16 = torch.float32, torch.bfloat16
+#: The cases benchmarked, in table order (see the module docstring to add one).
+CASES: list[Case] = [
+    Case("flatten", "fp32", _flatten_alloc, ("flatten", F32, F32)),
+    Case("flatten out=", "fp32", _flatten_out, ("flatten", F32, F32)),
+    Case("flatten bf16+scale out=", "fp32->bf16", _flatten_bf16_scale, ("flatten", F32, BF16)),
+    Case("unflatten_into", "fp32", _unflatten_into, ("unflatten_into", F32, F32)),
+]
+
+
+def _tiny_workloads():
+    def transformer(device="cpu"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            m = torch.nn.Transformer(d_model=16, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
+                                     dim_feedforward=32)
+        return [p.detach().to(device) for p in m.parameters()]
+
+    return {
+        "transformer": transformer,
+        "lstm": lambda device="cpu": [p.detach().to(device) for p in torch.nn.LSTM(16, 16, 1, bidirectional=True).parameters()],
+        "tiny": lambda device="cpu": [torch.randn(64, device=device) for _ in range(100)],
+    }
+
+
+def workloads(sizes: str) -> dict:
+    """Workload name -> builder(device) for ``sizes`` = ``full``, ``quick`` or ``tiny``."""
+    if sizes == "tiny":
+        return _tiny_workloads()
+    i = {"full": 0, "quick": 1}[sizes]
+    return {name: b[i] for name, b in WORKLOADS.items()}
+
+
+def devices() -> list[torch.device]:
+    """CPU, plus the first CUDA device when present."""
+    return [torch.device("cpu")] + ([torch.device("cuda", 0)] if torch.cuda.is_available() else [])
+
+
+def _backend_of(device) -> str:
+    return _dispatch.backend_for(device)
+
+
+def _untuned_differs(case: Case, device, numel: int) -> dict | None:
+    """The tuned parameters of ``case``'s call on ``device`` if they differ from the
+    launcher's defaults, else None."""
+    if case.tuned is None:
+        return None
+    op, src, dst = case.tuned
+    backend = _backend_of(device)
+    tuned = _tuning.params(op, backend, src, dst, numel, device)
+    if not tuned:
+        return None
+    try:
+        from .autotune import launcher_defaults
+
+        if launcher_defaults(op, backend, list(tuned)) == tuned:
+            return None
+    except (_tuning.TuningFileError, ImportError, AttributeError, KeyError):
+        pass  # an end-to-end parameter: no launcher default to compare with; measure both
+    return dict(tuned)
+
+
+def _measure(device, providers: dict, sizes: str) -> dict:
+    """``{provider: stats}`` for ``providers`` (name -> (prepare, fn))."""
+    from .autotune import time_cpu, time_cuda
+
+    names = list(providers)
+    variants = [(providers[n][0], [providers[n][1]]) for n in names]
+    try:
+        if device.type == "cuda":
+            stats = time_cuda(variants, quick=sizes != "full")
+        else:
+            budget, lo, hi = BUDGET[sizes]
+            stats = time_cpu(variants, budget_s=budget, min_rounds=lo, max_rounds=hi,
+                             warmup=1 if sizes == "tiny" else 2)
+    finally:
+        _tuning._forced = None
+    return dict(zip(names, stats))
+
+
+def _sig(x: float) -> float:
+    """``x`` to 4 significant digits (what the timer's noise allows)."""
+    return float(f"{x:.4g}")
+
+
+def _gbps(nb: int, s: float) -> float:
+    return _sig(nb / s / 1e9) if s > 0 else float("inf")
+
+
+def run_device(device, sizes: str, *, cases=None, only=None, progress: bool = True) -> list[dict]:
+    """Benchmark every case on every workload on ``device``; return the table rows."""
+    from tqdm.auto import tqdm
+
+    cases = CASES if cases is None else cases
+    wls = workloads(sizes)
+    if only:
+        wls = {k: v for k, v in wls.items() if k in only}
+    rows = []
+    tuned_on = lambda: setattr(_tuning, "_forced", None)  # noqa: E731 (a prepare hook)
+    untuned_on = lambda: setattr(_tuning, "_forced", {})  # noqa: E731
+    with tqdm(total=len(cases) * len(wls), desc=f"bench {device}", unit="case", disable=not progress,
+              dynamic_ncols=True) as bar:
+        for wname, build in wls.items():
+            torch.manual_seed(0)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # nn.Transformer's enable_nested_tensor notice
+                ts = build(device)
+            n = sum(t.numel() for t in ts)
+            src = torch.randn(n, device=device)
+            dst = torch.zeros(n, device=device)
+            copy = lambda: dst.copy_(src)  # noqa: E731
+            for case in cases:
+                bar.set_postfix_str(f"{case.op}: {wname}")
+                s = case.setup(ts)
+                providers = {"fastpar": (tuned_on, s.fastpar), "torch": (tuned_on, s.torch),
+                             "copy_": (tuned_on, copy)}
+                tuned = _untuned_differs(case, device, n)
+                if tuned is not None:
+                    providers["fastpar untuned"] = (untuned_on, s.fastpar)
+                st = _measure(device, providers, sizes)
+                med = {k: v["median_s"] for k, v in st.items()}
+                fp, tg = _gbps(s.nbytes, med["fastpar"]), _gbps(s.nbytes, med["torch"])
+                cg = _gbps(2 * 4 * n, med["copy_"])
+                row = {
+                    "op": case.op, "workload": wname, "dtype": case.dtype, "tensors": len(ts), "numel": n,
+                    "bytes": nbytes(ts), "moved_bytes": s.nbytes,
+                    "fastpar_gbps": fp, "torch_gbps": tg, "ratio": _sig(med["torch"] / med["fastpar"]),
+                    "copy_gbps": cg, "of_copy": _sig(fp / cg),
+                    "untuned_gbps": None, "tuned_gain": None, "tuned_params": tuned,
+                    "median_s": {k: _sig(v) for k, v in med.items()},
+                    "q25_s": {k: _sig(v["q25_s"]) for k, v in st.items()},
+                    "q75_s": {k: _sig(v["q75_s"]) for k, v in st.items()},
+                    "rounds": st["fastpar"]["reps"],
+                }
+                if tuned is not None:
+                    row["untuned_gbps"] = _gbps(s.nbytes, med["fastpar untuned"])
+                    row["tuned_gain"] = _sig(med["fastpar untuned"] / med["fastpar"])
+                rows.append(row)
+                del s, providers
+                bar.update(1)
+            del ts, src, dst
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """The rows as a Markdown table."""
+    def size(b):
+        return f"{b / 1e6:.1f} MB" if b >= 1e6 else f"{b / 1e3:.1f} kB"
+
+    out = ["| op | workload | dtype | size | fastpar GB/s | torch GB/s | ratio | copy_ GB/s (ceiling) | "
+           "fastpar / copy_ | tuned vs untuned |",
+           "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        gain = f"{r['tuned_gain']:.2f}x" if r.get("tuned_gain") is not None else "defaults"
+        out.append(f"| {r['op']} | {r['workload']} | {r['dtype']} | {size(r['bytes'])} | "
+                   f"{r['fastpar_gbps']:.2f} | {r['torch_gbps']:.2f} | {r['ratio']:.2f}x | {r['copy_gbps']:.2f} | "
+                   f"{100 * r['of_copy']:.0f}% | {gain} |")
+    return "\n".join(out)
+
+
+def plot(doc: dict, path: Path) -> None:
+    """GB/s against the workload's bytes, one panel per op, one line per provider (the
+    ``copy_`` ceiling dashed); written as PNG with the Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    rows = doc["rows"]
+    ops = list(dict.fromkeys((r["op"], r["dtype"]) for r in rows))
+    ncol = 2 if len(ops) > 1 else 1
+    nrow = math.ceil(len(ops) / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(6 * ncol, 4 * nrow), squeeze=False)
+    styles = {"fastpar": dict(marker="o", color="C0"), "fastpar untuned": dict(marker="o", ls=":", color="C0", alpha=0.6),
+              "torch": dict(marker="s", color="C1"), "copy_": dict(ls="--", color="0.4", marker="")}
+    keys = {"fastpar": "fastpar_gbps", "fastpar untuned": "untuned_gbps", "torch": "torch_gbps", "copy_": "copy_gbps"}
+    for ax, (op, dt) in zip(axes.flat, ops):
+        rs = sorted((r for r in rows if r["op"] == op and r["dtype"] == dt), key=lambda r: r["bytes"])
+        x = [r["bytes"] for r in rs]
+        for prov, key in keys.items():
+            ys = [r.get(key) for r in rs]
+            if all(y is None for y in ys):
+                continue
+            if prov == "fastpar untuned":  # not measured where the tuned config is the default
+                ys = [r["fastpar_gbps"] if y is None else y for r, y in zip(rs, ys)]
+            label = "copy_ (ceiling)" if prov == "copy_" else prov
+            ax.plot([a for a, y in zip(x, ys) if y is not None], [y for y in ys if y is not None], label=label,
+                    **styles[prov])
+        for r in rs:
+            ax.annotate(r["workload"], (r["bytes"], r["fastpar_gbps"]), textcoords="offset points", xytext=(4, 4),
+                        fontsize=8)
+        ax.set_xscale("log")
+        ax.set_title(f"{op} ({dt})")
+        ax.set_xlabel("workload bytes")
+        ax.set_ylabel("GB/s")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(ops):]:
+        ax.axis("off")
+    fig.suptitle(f"fastpar vs torch: {doc['device']['name']} ({doc['device']['slug']}), {doc['sizes']} sizes, "
+                 f"{doc['timestamp']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _expect(cond, where, got, expected):
+    if not cond:
+        raise ValueError(f"bench JSON {where}: expected {expected}, got {got!r}")
+
+
+def validate_bench(doc) -> None:
+    """Check a bench JSON document; raise ``ValueError`` naming the first bad field."""
+    _expect(isinstance(doc, dict), "document", type(doc).__name__, "an object")
+    _expect(doc.get("schema") == SCHEMA, "schema", doc.get("schema"), repr(SCHEMA))
+    for k in ("timestamp", "sizes", "png"):
+        _expect(isinstance(doc.get(k), str), k, doc.get(k), "a string")
+    _expect(doc["sizes"] in BUDGET, "sizes", doc["sizes"], f"one of {list(BUDGET)}")
+    dev = doc.get("device")
+    _expect(isinstance(dev, dict) and all(isinstance(dev.get(k), str) for k in ("type", "name", "slug")), "device",
+            dev, "an object with type, name, slug")
+    _expect(isinstance(doc.get("versions"), dict), "versions", doc.get("versions"), "an object")
+    rows = doc.get("rows")
+    _expect(isinstance(rows, list) and rows, "rows", rows, "a non-empty list")
+    for i, r in enumerate(rows):
+        w = f"rows[{i}]"
+        _expect(isinstance(r, dict), w, r, "an object")
+        for k in ("op", "workload", "dtype"):
+            _expect(isinstance(r.get(k), str), f"{w}.{k}", r.get(k), "a string")
+        for k in ("tensors", "numel", "bytes", "moved_bytes"):
+            _expect(isinstance(r.get(k), int) and r[k] > 0, f"{w}.{k}", r.get(k), "a positive integer")
+        # do_bench (CUDA) does not report its repetitions: rounds is null there.
+        _expect(r.get("rounds") is None or (isinstance(r["rounds"], int) and r["rounds"] > 0), f"{w}.rounds",
+                r.get("rounds"), "a positive integer or null")
+        for k in ("fastpar_gbps", "torch_gbps", "ratio", "copy_gbps", "of_copy"):
+            _expect(isinstance(r.get(k), (int, float)) and r[k] > 0 and math.isfinite(r[k]), f"{w}.{k}", r.get(k),
+                    "a positive finite number")
+        med = r.get("median_s")
+        _expect(isinstance(med, dict) and all(p in med for p in ("fastpar", "torch", "copy_")), f"{w}.median_s", med,
+                "medians of fastpar, torch and copy_")
+        _expect(math.isclose(r["ratio"], med["torch"] / med["fastpar"], rel_tol=0.01), f"{w}.ratio", r["ratio"],
+                f"torch / fastpar median = {med['torch'] / med['fastpar']:.3f}")
+        if r.get("tuned_gain") is not None:
+            _expect("fastpar untuned" in med, f"{w}.median_s", med, "the fastpar untuned median beside tuned_gain")
+
+
+def _stamp() -> tuple[str, str]:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return now.isoformat(timespec="seconds"), now.strftime("%Y%m%dT%H%M%SZ")
+
+
+def run(sizes: str = "full", *, root=None, note: str | None = None, only=None, progress: bool = True,
+        out=sys.stdout) -> list[Path]:
+    """Benchmark every device present; print each table; write JSON + PNG per device.
+    Returns the JSON paths written."""
+    import numba
+
+    root = Path(root) if root is not None else _tuning.results_dir()
+    bench_dir = root / "bench"
+    paths = []
+    for device in devices():
+        info = _tuning.device_info(device)
+        iso, stamp = _stamp()
+        load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        tuning = _tuning.status(device)
+        rows = run_device(device, sizes, only=only, progress=progress)
+        doc = {
+            "schema": SCHEMA, "timestamp": iso, "device": info, "versions": _tuning.versions(), "sizes": sizes,
+            "host": {"python": platform.python_version(), "cpus": _tuning._cpu_count(),
+                     "numba_threads": numba.get_num_threads(), "torch_threads": torch.get_num_threads(),
+                     "loadavg_1min": [load0, os.getloadavg()[0] if hasattr(os, "getloadavg") else None]},
+            "note": note,
+            "tuning": tuning,
+            "timer": "triton.testing.do_bench median" if device.type == "cuda"
+            else "time.perf_counter median of interleaved rounds after warm-up (no cache flush, as in benchmarks/)",
+            "rows": rows,
+            "png": f"{info['slug']}-{stamp}.png",
+        }
+        validate_bench(doc)
+        print(f"\n{info['name']} ({info['slug']}), {sizes} sizes, tuned parameters: {tuning['state']}"
+              f"{' (' + tuning['path'] + ')' if tuning.get('path') else ''}", file=out)
+        print(table(rows), file=out)
+        bench_dir.mkdir(parents=True, exist_ok=True)
+        from .autotune import _write_atomic
+
+        path = bench_dir / f"{info['slug']}-{stamp}.json"
+        _write_atomic(path, json.dumps(doc, indent=1, allow_nan=False) + "\n")
+        plot(doc, bench_dir / doc["png"])
+        print(f"wrote {path} and {bench_dir / doc['png']}", file=out)
+        paths.append(path)
+    return paths
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="small variants of the workloads (under a minute)")
+    p.add_argument("--sizes", choices=list(BUDGET), default=None, help=argparse.SUPPRESS)  # tests: --sizes tiny
+    p.add_argument("--workloads", default=None,
+                   help=f"comma-separated subset of {', '.join(WORKLOADS)} (default: all)")
+    p.add_argument("--results-dir", default=None,
+                   help="results folder: tuned parameters are read from its autotune/, the run is written to its "
+                        "bench/ (default: $FASTPAR_RESULTS_DIR, else the source checkout's results/, else "
+                        "~/.cache/fastpar)")
+    p.add_argument("--note", default=None, help="free text stored in the JSON (e.g. 'machine shared')")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def main(args) -> int:
+    sizes = args.sizes or ("quick" if args.quick else "full")
+    only = None
+    if args.workloads:
+        only = [w.strip() for w in args.workloads.split(",") if w.strip()]
+        bad = [w for w in only if w not in WORKLOADS]
+        if bad:
+            print(f"--workloads: unknown {bad}; expected some of {', '.join(WORKLOADS)}", file=sys.stderr)
+            return 2
+    if args.results_dir:
+        os.environ["FASTPAR_RESULTS_DIR"] = args.results_dir
+        _tuning.reload()
+    run(sizes, root=args.results_dir, note=args.note, only=only, progress=not args.no_progress)
+    return 0

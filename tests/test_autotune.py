@@ -1,0 +1,428 @@
+"""Autotune: a small search space tuned here is picked up by a fresh process; bad,
+foreign or hand-edited results files and read-only results dirs never fail an op (one
+warning each); concurrent tuners never lose or half-write a file.
+
+Every test points ``FASTPAR_RESULTS_DIR`` at a temporary folder: nothing is written into
+the repository's ``results/``.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+import fastpar
+from fastpar import _tuning, autotune
+from fastpar._tuning import TuningFileError, TuningWarning
+
+SLUG = _tuning.device_info("cpu")["slug"]
+F32 = torch.float32
+SPACE = {"flatten": {"numba": {"params": {"chunk": {"values": [4096, 65536], "min": 1},
+                                          "parallel_min_bytes": {"values": [0], "min": 0}}}}}
+BOUNDS = [65536, 1048576]
+
+
+@pytest.fixture
+def results(tmp_path, monkeypatch):
+    """A fresh results dir for this test, read afresh by ``_tuning``."""
+    monkeypatch.setenv("FASTPAR_RESULTS_DIR", str(tmp_path))
+    _tuning.reload()
+    yield tmp_path
+    _tuning.reload()
+
+
+def _entry(bucket: int, chunk: int, op: str = "flatten") -> dict:
+    cand = {"median_s": 1e-3, "q25_s": 9e-4, "q75_s": 1.1e-3, "min_s": 8e-4, "reps": 9}
+    return {
+        "op": op, "backend": "numba", "src_dtype": "float32", "dst_dtype": "float32", "scale": None,
+        "bucket": bucket, "numel": 1000, "default": {"chunk": 65536, "parallel_min_bytes": 4194304},
+        "candidates": [{"params": {"chunk": 65536, "parallel_min_bytes": 4194304}, **cand},
+                       {"params": {"chunk": chunk, "parallel_min_bytes": 0}, **cand, "median_s": 5e-4}],
+        "winner": {"params": {"chunk": chunk, "parallel_min_bytes": 0}, "median_s": 5e-4, "gain_vs_default": 2.0},
+    }
+
+
+def _save(root, entries: dict, **run) -> str:
+    info = _tuning.device_info("cpu")
+    return str(autotune.save(entries, device=info, bounds=BOUNDS, space=SPACE, run={"timestamp": "t", **run},
+                             root=root))
+
+
+def _key(bucket: int, op: str = "flatten") -> str:
+    return _tuning.key_str(op, "numba", "float32", "float32", bucket)
+
+
+def _fresh_process(root, code: str) -> dict:
+    """Run ``code`` in a new interpreter reading ``root``; it prints one JSON line."""
+    env = dict(os.environ, FASTPAR_RESULTS_DIR=str(root))
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, f"fresh process failed (rc {r.returncode}):\n{r.stdout}\n{r.stderr}"
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# A fresh process records what the Numba flatten launcher receives.
+_SPY = """
+    import json, warnings
+    import torch
+    warnings.simplefilter("always")
+    from fastpar.kernels.ops_numba import flatten as nf
+    seen = []
+    real = nf.flatten
+    def spy(group, out, scale, **kw):
+        seen.append(kw)
+        return real(group, out, scale, **kw)
+    nf.flatten = spy  # before the first call: dispatch caches the attribute it finds
+    import fastpar
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        small = [torch.randn(1000) for _ in range(4)]                 # bucket 0
+        big = [torch.randn(100_000) for _ in range(2)]                # bucket 1, not tuned
+        ok = bool(torch.equal(fastpar.flatten(small), torch.cat(small)))
+        fastpar.flatten(big)
+    print(json.dumps({"kwargs": seen, "ok": ok,
+                      "warnings": [str(x.message) for x in w if x.category.__name__ == "TuningWarning"]}))
+"""
+
+
+def test_small_space_winner_is_used_by_a_fresh_process(results, tmp_path_factory):
+    """A deterministic runner (its cost depends on the chunk the op is given) makes chunk
+    4096 the winner; a fresh process's flatten launches then receive chunk=4096."""
+    mod = tmp_path_factory.mktemp("runner")
+    (mod / "fake_runner.py").write_text(textwrap.dedent("""
+        import time, torch, fastpar
+        from fastpar import _tuning
+        from fastpar.autotune import Work
+
+        def runner(device, src, dst, scale, numel, n_sets):
+            fns = []
+            for _ in range(n_sets):
+                ts = [torch.randn(numel // 4, dtype=src) for _ in range(4)]
+                out = torch.empty(numel, dtype=dst)
+                def fn(ts=ts, out=out):
+                    fastpar.flatten(ts, out=out)
+                    chunk = _tuning.params("flatten", "numba", src, dst, numel).get("chunk")
+                    time.sleep(0 if chunk == 4096 else 0.002)   # the tuner must find 4096
+                fns.append(fn)
+            return Work(fns, 2 * numel * src.itemsize, 4)
+    """))
+    space = {"schema": _tuning.SPACE_SCHEMA, "size_buckets": BOUNDS, "min_gain": 0.03, "ops": {"flatten": {
+        "runner": "fake_runner:runner", "dtypes": [{"src": "float32", "dst": "float32"}],
+        "sizes": [4000], "quick_sizes": [4000],
+        "backends": {"numba": {"device": "cpu", "params": {"chunk": {"values": [4096, 16384], "min": 1}}}}}}}
+    space_path = mod / "space.json"
+    space_path.write_text(json.dumps(space))
+    sys.path.insert(0, str(mod))
+    try:
+        result = autotune.tune(quick=True, space=space_path, devices=["cpu"], progress=False)
+    finally:
+        sys.path.remove(str(mod))
+    path = result[SLUG]["path"]
+    assert path is not None and path.parent == results / "autotune", result[SLUG]["error"]
+    doc = json.loads(path.read_text())
+    _tuning.validate_results(doc, slug=SLUG, current_versions=_tuning.versions())
+    entry = doc["entries"][_key(0)]
+    assert entry["default"] == {"chunk": 65536}
+    assert sorted(c["params"]["chunk"] for c in entry["candidates"]) == [4096, 16384, 65536]
+    assert all(c["median_s"] > 0 and c["q25_s"] <= c["median_s"] <= c["q75_s"] for c in entry["candidates"])
+    assert entry["winner"]["params"] == {"chunk": 4096}, entry["winner"]
+    assert entry["winner"]["gain_vs_default"] > 1.5
+    assert doc["runs"][-1]["keys"] == [_key(0)]
+    assert not list((results / "autotune").glob("*.tmp")), "a temp file was left behind"
+
+    seen = _fresh_process(results, _SPY)
+    assert seen["ok"] and not seen["warnings"], seen
+    assert seen["kwargs"] == [{"chunk": 4096}, {}], "bucket 0 tuned, bucket 1 on defaults"
+
+
+def test_real_flatten_runner_quick(results):
+    """The packaged runner on a two-candidate space: a valid file whose winner a fresh
+    process's ``_tuning.params`` returns."""
+    space = json.loads(_tuning.SPACE_PATH.read_text())
+    space["ops"] = {"flatten": dict(space["ops"]["flatten"], sizes=[8192], quick_sizes=[8192],
+                                    dtypes=[{"src": "float32", "dst": "bfloat16", "scale": 0.5}])}
+    space["ops"]["flatten"]["backends"] = {"numba": {"device": "cpu", "params": {
+        "chunk": {"values": [1024], "min": 1}, "parallel_min_bytes": {"values": [4194304], "min": 0}}}}
+    p = results / "space.json"
+    p.write_text(json.dumps(space))
+    result = autotune.tune(["flatten"], quick=True, space=p, devices=["cpu"], progress=False)
+    doc = json.loads(result[SLUG]["path"].read_text())
+    _tuning.validate_results(doc, slug=SLUG, current_versions=_tuning.versions())
+    e = doc["entries"]["flatten/numba/float32->bfloat16/b0"]
+    assert len(e["candidates"]) == 2 and e["input_sets"] >= 2 and e["cache_flushed"] is True
+    winner = e["winner"]["params"]
+    got = _fresh_process(results, """
+        import json, torch
+        from fastpar import _tuning
+        print(json.dumps(_tuning.params("flatten", "numba", torch.float32, torch.bfloat16, 8192)))
+    """)
+    assert got == winner
+
+
+# ----------------------------------------------------------------------------- bad files
+
+
+def _rewrite(path, mutate, *, redigest: bool):
+    doc = json.loads(open(path).read())
+    mutate(doc)
+    if redigest:
+        doc["digest"] = _tuning.digest(doc)
+    open(path, "w").write(json.dumps(doc))
+
+
+def _set(d, keys, value):
+    for k in keys[:-1]:
+        d = d[k]
+    d[keys[-1]] = value
+
+
+BAD_FILES = {
+    "corrupt JSON": (lambda p: open(p, "w").write('{"schema": "fastpar.autotune/1", '), "not valid JSON"),
+    "truncated": (lambda p: open(p, "w").write(open(p).read()[:200]), "not valid JSON"),
+    "not an object": (lambda p: open(p, "w").write("[1, 2]"), "expected a JSON object"),
+    "wrong schema": (lambda p: _rewrite(p, lambda d: _set(d, ["schema"], "other/9"), redigest=True), "schema"),
+    "hand-edited": (lambda p: _rewrite(p, lambda d: _set(d, ["entries", _key(0), "winner", "params", "chunk"], 8),
+                                       redigest=False), "edited by hand"),
+    "bad value": (lambda p: _rewrite(p, lambda d: _set(d, ["entries", _key(0), "winner", "params", "chunk"], -5),
+                                     redigest=True), "expected an integer >= 1"),
+    "unknown parameter": (lambda p: _rewrite(p, lambda d: _set(d, ["entries", _key(0), "winner", "params"],
+                                                                  {"blocksize": 4}), redigest=True), "blocksize"),
+    "wrong types": (lambda p: _rewrite(p, lambda d: _set(d, ["entries", _key(0), "candidates"], "fast"),
+                                       redigest=True), "candidates"),
+    "other device": (lambda p: _rewrite(p, lambda d: _set(d, ["device", "slug"], "cpu-elsewhere"), redigest=True),
+                     "this device"),
+    "other version": (lambda p: _rewrite(p, lambda d: _set(d, ["versions", "torch"], "1.0.0"), redigest=True),
+                      "tuned with torch 1.0.0"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES))
+def test_bad_results_file_one_warning_and_defaults(results, case):
+    path = _save(results, {_key(0): _entry(0, 4096)})
+    spoil, reason = BAD_FILES[case]
+    spoil(path)
+    ts = [torch.randn(100) for _ in range(5)]
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            out = fastpar.flatten(ts)
+        p = _tuning.params("flatten", "numba", F32, F32, 500)
+    assert torch.equal(out, torch.cat(ts))
+    assert p == {}, "an ignored file must leave every launch on defaults"
+    tw = [x for x in w if issubclass(x.category, TuningWarning)]
+    assert len(tw) == 1, [str(x.message) for x in tw]
+    msg = str(tw[0].message)
+    assert path in msg and reason in msg and "default launch parameters" in msg, msg
+    assert _tuning.status("cpu")["state"] in ("invalid", "foreign version")
+
+
+def test_missing_file_one_warning(results):
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            fastpar.flatten([torch.randn(10), torch.randn(3)])
+    tw = [str(x.message) for x in w if issubclass(x.category, TuningWarning)]
+    assert len(tw) == 1 and "no tuned launch parameters" in tw[0] and SLUG in tw[0], tw
+    assert _tuning.status("cpu")["state"] == "missing"
+
+
+def test_valid_file_used_without_warning(results):
+    _save(results, {_key(0): _entry(0, 4096), _key(2): _entry(2, 262144)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TuningWarning)
+        assert _tuning.params("flatten", "numba", F32, F32, 65536) == {"chunk": 4096, "parallel_min_bytes": 0}
+        assert _tuning.params("flatten", "numba", F32, F32, 65537) == {}  # bucket 1: not tuned
+        assert _tuning.params("flatten", "numba", F32, F32, 10**8)["chunk"] == 262144
+        assert _tuning.params("flatten", "numba", F32, torch.bfloat16, 100) == {}  # other dtype pair
+        assert _tuning.params("unflatten_into", "numba", F32, F32, 100) == {}  # other op
+        # Never tuned: the Triton interpreter on CPU tensors and the torch reference.
+        assert _tuning.params("flatten", "triton", F32, F32, 100, torch.device("cpu")) == {}
+        assert _tuning.params("flatten", "torch", F32, F32, 100) == {}
+        with _tuning.forced({}):
+            assert _tuning.params("flatten", "numba", F32, F32, 100) == {}
+        with _tuning.forced({("flatten", "numba"): {"chunk": 7}}):
+            assert _tuning.params("flatten", "numba", F32, F32, 10**8) == {"chunk": 7}
+    assert _tuning.status("cpu")["state"] == "ok"
+
+
+def _ro_dir(path, monkeypatch):
+    """Make ``path`` read-only; as root (permissions do not apply) make writes there fail
+    the way they would for a user."""
+    os.chmod(path, 0o555)
+    if os.access(path, os.W_OK):
+        real = autotune.tempfile.mkstemp
+
+        def mkstemp(*a, dir=None, **k):
+            if dir is not None and str(dir).startswith(str(path)):
+                raise PermissionError(13, "Permission denied", str(dir))
+            return real(*a, dir=dir, **k)
+
+        monkeypatch.setattr(autotune.tempfile, "mkstemp", mkstemp)
+
+
+def test_read_only_results_dir(results, monkeypatch):
+    path = _save(results, {_key(0): _entry(0, 4096)})
+    before = open(path).read()
+    ro = results / "autotune"
+    _ro_dir(ro, monkeypatch)
+    try:
+        # Reading works from a read-only dir.
+        assert _tuning.params("flatten", "numba", F32, F32, 100) == {"chunk": 4096, "parallel_min_bytes": 0}
+        # Tuning into it: no crash, one warning, the old file intact, nothing left over.
+        space = json.loads(_tuning.SPACE_PATH.read_text())
+        space["ops"] = {"flatten": dict(space["ops"]["flatten"], sizes=[2048], quick_sizes=[2048],
+                                        dtypes=[{"src": "float32", "dst": "float32"}])}
+        space["ops"]["flatten"]["backends"] = {"numba": {"device": "cpu", "params": {
+            "chunk": {"values": [65536], "min": 1}}}}
+        sp = results / "space.json"
+        sp.write_text(json.dumps(space))
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            result = autotune.tune(quick=True, space=sp, devices=["cpu"], progress=False)
+        tw = [str(x.message) for x in w if issubclass(x.category, TuningWarning)]
+        assert result[SLUG]["path"] is None and "cannot write" in result[SLUG]["error"]
+        assert len(tw) == 1 and "FASTPAR_RESULTS_DIR" in tw[0] and "Permission" in tw[0], tw
+        assert open(path).read() == before
+        assert sorted(p.name for p in ro.iterdir() if not p.name.endswith(".lock")) == [os.path.basename(path)]
+    finally:
+        os.chmod(ro, 0o755)
+
+
+def test_invalid_file_is_kept_aside_when_tuning(results):
+    path = _save(results, {_key(0): _entry(0, 4096)})
+    open(path, "w").write("garbage")
+    with pytest.warns(TuningWarning, match="not a valid tuned file"):
+        _save(results, {_key(1): _entry(1, 16384)})
+    assert open(path + ".rejected").read() == "garbage"
+    doc = json.loads(open(path).read())
+    assert list(doc["entries"]) == [_key(1)]
+
+
+def test_other_version_file_is_superseded(results):
+    path = _save(results, {_key(0): _entry(0, 4096)})
+    _rewrite(path, lambda d: _set(d, ["versions", "numba"], "0.1"), redigest=True)
+    _save(results, {_key(1): _entry(1, 16384)})
+    doc = json.loads(open(path).read())
+    assert list(doc["entries"]) == [_key(1)] and doc["versions"] == _tuning.versions()
+    assert json.loads(open(path + ".prev").read())["versions"]["numba"] == "0.1"
+
+
+# ----------------------------------------------------------------------------- concurrency
+
+
+def _writer(root: str, offset: int, n: int, barrier) -> None:
+    """Save ``n`` runs, each re-tuning one of three keys (both writers share keys, so
+    merging must keep every key and log every run)."""
+    barrier.wait(timeout=120)  # start together, so the writes really overlap
+    for i in range(n):
+        autotune.save({_key(i % 3): _entry(i % 3, 1 << (10 + (offset + i) % 8))},
+                      device=_tuning.device_info("cpu"), bounds=BOUNDS, space=SPACE,
+                      run={"timestamp": "t", "writer": offset, "i": i}, root=root)
+
+
+def _reader(root: str, stop, barrier) -> int:
+    """Read the file in a loop; return how many complete, valid reads it made (raises on
+    a partial or invalid file)."""
+    path = os.path.join(root, "autotune", f"{SLUG}.json")
+    good = 0
+    barrier.wait(timeout=120)
+    while not stop.is_set():
+        try:
+            text = open(path).read()
+        except FileNotFoundError:
+            continue
+        _tuning.validate_results(json.loads(text), slug=SLUG)
+        good += 1
+    return good
+
+
+def test_concurrent_writers_merge_and_never_tear(results):
+    ctx = multiprocessing.get_context("spawn")
+    n = 20  # x 2 writers: within MAX_RUNS, so every run must still be in the log
+    assert 2 * n <= autotune.MAX_RUNS
+    with ctx.Manager() as m:
+        stop, barrier = m.Event(), m.Barrier(3)
+        with ctx.Pool(3) as pool:
+            reader = pool.apply_async(_reader, (str(results), stop, barrier))
+            writers = [pool.apply_async(_writer, (str(results), k, n, barrier)) for k in (0, 100)]
+            for w in writers:
+                w.get(timeout=300)
+            stop.set()
+            good_reads = reader.get(timeout=60)
+    path = results / "autotune" / f"{SLUG}.json"
+    doc = json.loads(path.read_text())
+    _tuning.validate_results(doc, slug=SLUG, current_versions=_tuning.versions())
+    runs = [(r["writer"], r["i"]) for r in doc["runs"]]
+    assert sorted(runs) == sorted([(0, i) for i in range(n)] + [(100, i) for i in range(n)]), \
+        "a concurrent writer's run was lost"
+    assert set(doc["entries"]) == {_key(0), _key(1), _key(2)}
+    assert good_reads > 0
+    assert not [p for p in (results / "autotune").iterdir() if p.name.endswith(".tmp")]
+
+
+# ----------------------------------------------------------------------------- space
+
+
+def test_space_file_is_valid_and_matches_the_launchers():
+    space = _tuning.load_space()
+    for op, e in space["ops"].items():
+        for backend, be in e["backends"].items():
+            if not e.get("end_to_end", False):
+                defaults = autotune.launcher_defaults(op, backend, list(be["params"]))
+                assert set(defaults) == set(be["params"])
+
+
+def test_space_naming_an_unknown_launcher_parameter_is_refused():
+    with pytest.raises(TuningFileError, match=r"num_threads .*accepts only chunk, parallel_min_bytes"):
+        autotune.launcher_defaults("flatten", "numba", ["chunk", "num_threads"])
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda s: s.update(size_buckets=[10, 5]), "strictly increasing"),
+    (lambda s: s["ops"]["flatten"].update(runner="no colon"), "module:function"),
+    (lambda s: s["ops"]["flatten"]["dtypes"].append({"src": "float33", "dst": "float32"}), "float33"),
+    (lambda s: s["ops"]["flatten"]["backends"]["triton"]["params"]["block"]["values"].append(1000), "power of two"),
+    (lambda s: s["ops"]["flatten"]["backends"].update(cuda={}), "one of numba, triton"),
+])
+def test_bad_space_is_refused(mutate, match):
+    space = json.loads(_tuning.SPACE_PATH.read_text())
+    mutate(space)
+    with pytest.raises(TuningFileError, match=match):
+        _tuning.validate_space(space)
+
+
+def test_param_like_sizes():
+    for n in (1, 64, 1000, 4096, 10**6):
+        s = autotune.param_like_sizes(n)
+        assert sum(s) == n and all(x > 0 for x in s)
+    assert len(autotune.param_like_sizes(10**6)) >= 8
+
+
+def _cand(params, times):
+    s = autotune._stats(times)
+    return {"params": params, **s}
+
+
+def test_pick_sign_test():
+    d = {"chunk": 65536}
+    # Bimodal default (thread pool worker awake or not), candidate steadily faster in
+    # every round: the candidate wins although the quartiles overlap.
+    bimodal = [1.3, 8.0] * 15
+    steady = [1.2] * 30
+    w = autotune._pick([_cand(d, bimodal), _cand({"chunk": 4096}, steady)], d, 0.03)
+    assert w["params"] == {"chunk": 4096} and w["rounds_won"] == "30/30"
+    # Same distribution, faster median by luck of ordering only: the default stays.
+    a = [1.0, 1.1, 1.2, 1.3] * 8
+    b = [1.3, 1.2, 1.0, 1.05] * 8
+    w = autotune._pick([_cand(d, a), _cand({"chunk": 4096}, b)], d, 0.0)
+    assert w["params"] == d and "default kept" in w["reason"]
+    # Under min_gain: the default stays.
+    w = autotune._pick([_cand(d, [1.0] * 9), _cand({"chunk": 1}, [0.99] * 9)], d, 0.03)
+    assert w["params"] == d and "min_gain" in w["reason"]

@@ -1,0 +1,96 @@
+"""``python -m fastpar bench`` end to end at tiny sizes: a table, a JSON file that
+validates and a PNG that opens, with the tuned-vs-untuned column when a tuned file is
+present. Written to a temporary results dir, never the repository's ``results/``."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fastpar import _tuning, autotune, bench
+
+
+def _tuned_file(root) -> None:
+    """A tuned file whose flatten winner (bucket 0, fp32) differs from the defaults."""
+    space = {"flatten": {"numba": {"params": {"chunk": {"values": [4096], "min": 1},
+                                              "parallel_min_bytes": {"values": [0], "min": 0}}}}}
+    stats = {"median_s": 1e-3, "q25_s": 1e-3, "q75_s": 1e-3, "min_s": 1e-3, "reps": 7}
+    win = {"chunk": 4096, "parallel_min_bytes": 0}
+    entry = {"op": "flatten", "backend": "numba", "src_dtype": "float32", "dst_dtype": "float32", "bucket": 0,
+             "default": {"chunk": 65536, "parallel_min_bytes": 4194304},
+             "candidates": [{"params": win, **stats}], "winner": {"params": win, "median_s": 1e-3}}
+    autotune.save({_tuning.key_str("flatten", "numba", "float32", "float32", 0): entry},
+                  device=_tuning.device_info("cpu"), bounds=[65536], space=space, run={"timestamp": "t"},
+                  root=root)
+
+
+def test_bench_cli_tiny_end_to_end(tmp_path):
+    _tuned_file(tmp_path)
+    env = dict(os.environ, FASTPAR_RESULTS_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-m", "fastpar", "bench", "--sizes", "tiny", "--no-progress",
+                        "--note", "test run"], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"bench failed (rc {r.returncode}):\n{r.stdout}\n{r.stderr}"
+    assert "| op | workload | dtype |" in r.stdout and "tuned parameters: ok" in r.stdout, r.stdout
+    assert "TuningWarning" not in r.stderr, r.stderr
+    files = sorted((tmp_path / "bench").iterdir())
+    js = [p for p in files if p.suffix == ".json"]
+    pngs = [p for p in files if p.suffix == ".png"]
+    assert len(js) == 1 and len(pngs) == 1, files
+    slug = _tuning.device_info("cpu")["slug"]
+    assert js[0].name.startswith(slug + "-")
+    doc = json.loads(js[0].read_text())
+    bench.validate_bench(doc)
+    assert doc["png"] == pngs[0].name and doc["note"] == "test run" and doc["sizes"] == "tiny"
+    assert doc["tuning"]["state"] == "ok"
+    got = {(row["op"], row["workload"]) for row in doc["rows"]}
+    assert got == {(c.op, w) for c in bench.CASES for w in bench.workloads("tiny")}
+    # Every workload is in bucket 0, where the tuned file differs from the defaults: the
+    # fp32 flatten rows carry the same-run tuned-vs-untuned gain, the others do not.
+    for row in doc["rows"]:
+        tuned = row["op"] in ("flatten", "flatten out=")
+        assert (row["tuned_gain"] is not None) == tuned, row
+        if tuned:
+            assert row["tuned_params"] == {"chunk": 4096, "parallel_min_bytes": 0}
+    import matplotlib.image
+
+    img = matplotlib.image.imread(pngs[0])
+    assert img.ndim == 3 and img.shape[0] > 200 and img.shape[1] > 200 and img.std() > 0
+
+
+@pytest.fixture(scope="module")
+def good_doc():
+    row = {"op": "flatten", "workload": "tiny", "dtype": "fp32", "tensors": 3, "numel": 30, "bytes": 120,
+           "moved_bytes": 240, "fastpar_gbps": 2.0, "torch_gbps": 1.0, "ratio": 2.0, "copy_gbps": 4.0,
+           "of_copy": 0.5, "median_s": {"fastpar": 1.0, "torch": 2.0, "copy_": 0.5}, "rounds": 5,
+           "tuned_gain": None}
+    return {"schema": bench.SCHEMA, "timestamp": "t", "sizes": "tiny", "png": "x.png",
+            "device": {"type": "cpu", "name": "n", "slug": "s"}, "versions": {}, "rows": [row]}
+
+
+@pytest.mark.parametrize("path, value, match", [
+    (["schema"], "fastpar.bench/0", "schema"),
+    (["rows"], [], "rows"),
+    (["rows", 0, "ratio"], 3.0, "ratio"),
+    (["rows", 0, "torch_gbps"], float("nan"), "torch_gbps"),
+    (["rows", 0, "tensors"], 0, "tensors"),
+    (["rows", 0, "tuned_gain"], 1.5, "untuned"),
+    (["sizes"], "huge", "sizes"),
+])
+def test_validate_bench_names_the_bad_field(good_doc, path, value, match):
+    bench.validate_bench(good_doc)
+    doc = copy.deepcopy(good_doc)
+    d = doc
+    for k in path[:-1]:
+        d = d[k]
+    d[path[-1]] = value
+    with pytest.raises(ValueError, match=match):
+        bench.validate_bench(doc)
+
+
+def test_table_is_markdown(good_doc):
+    t = bench.table(good_doc["rows"]).splitlines()
+    assert t[0].startswith("| op |") and t[1].startswith("| ---") and "2.00x" in t[2] and "defaults" in t[2]
