@@ -1,0 +1,589 @@
+"""DDP communication hooks and a coalesced parameter broadcast on ``torch.distributed``.
+
+fastpar brings no transport of its own here: the hooks plug fastpar's fused kernels into
+``DistributedDataParallel`` (gloo on CPU, NCCL on GPU) and let ``torch.distributed`` move
+the bytes.
+
+* :func:`allreduce_hook`: torch's ``allreduce_hook``, the division by the world size a
+  multiplication (a fastpar pass on CUDA) where that is exact; results equal to torch's.
+* :func:`compress_hook` (and :data:`bf16_compress_hook`, :data:`fp16_compress_hook`):
+  one fused pass scales by ``1 / world_size`` and casts the bucket into a persistent
+  low-precision buffer, the all-reduce runs on that buffer, and one fused pass casts the
+  sum back into the bucket. torch's compress hooks take three passes (cast, divide, copy
+  back) and a fresh allocation per bucket and step; torch's bf16 hook also refuses to
+  run without CUDA + NCCL, while gloo reduces bfloat16 and fastpar's hook runs there.
+* :func:`register`: checks a hook against the model and its process group (dtypes the
+  backend cannot reduce, gradients fastpar cannot cast) and registers it, so that a bad
+  combination fails at registration rather than inside a step.
+* :func:`sync_params`: every parameter and buffer of a module broadcast from one rank in
+  one coalesced broadcast (packed with fastpar), for replicas built by hand.
+
+Example::
+
+    >>> # xdoctest: +SKIP
+    >>> import fastpar.ddp
+    >>> model = DistributedDataParallel(net)
+    >>> fastpar.ddp.register(model, fastpar.ddp.bf16_compress_hook)
+"""
+# No ``from __future__ import annotations`` here: DistributedDataParallel compares the
+# hooks' annotations with ``dist.GradBucket`` and ``Future[Tensor]`` objects, and
+# postponed (string) annotations would fail that check.
+import threading
+import zlib
+
+import torch
+import torch.distributed as dist
+from torch.autograd.graph import increment_version
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from . import _dispatch, _tuning
+from ._flatten import _staged_groups
+from ._plan import Group, plan_for
+from ._validate import FLOAT_DTYPES, check_conversion
+
+__all__ = [
+    "allreduce_hook",
+    "bf16_compress_hook",
+    "compress_hook",
+    "fp16_compress_hook",
+    "register",
+    "sync_params",
+]
+
+
+# ---------------------------------------------------------------------------------------
+# Which dtypes a backend can all-reduce.
+
+#: dtypes gloo's all_reduce(SUM) accepts (checked on torch 2.13: int16, uint16 and the
+#: float8 types raise "Invalid scalar type").
+_GLOO_DTYPES = frozenset({
+    torch.float32, torch.float64, torch.float16, torch.bfloat16,
+    torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool,
+    torch.complex64, torch.complex128,
+})
+#: dtypes torch's NCCL process group maps to an NCCL type (bfloat16 needs NCCL >= 2.10,
+#: checked separately; complex tensors are reduced as real views).
+_NCCL_DTYPES = frozenset({
+    torch.float32, torch.float64, torch.float16, torch.bfloat16,
+    torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool,
+    torch.complex64, torch.complex128,
+})
+
+
+def _nccl_version():
+    try:
+        return tuple(torch.cuda.nccl.version())
+    except Exception:  # CPU-only builds have no NCCL to ask
+        return None
+
+
+def _group_of(state, name: str = "state"):
+    """The process group a hook runs on: ``state`` itself, or WORLD when it is None."""
+    if state is None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                f"{name} is None, which means the default process group, but "
+                "torch.distributed is not initialized; call dist.init_process_group() first"
+            )
+        return dist.group.WORLD
+    if not isinstance(state, dist.ProcessGroup):
+        raise TypeError(
+            f"{name} must be None (the default process group) or a torch.distributed "
+            f"ProcessGroup, got {type(state).__name__}"
+        )
+    return state
+
+
+def _backend_for(group, device: torch.device) -> str:
+    """Name of the backend ``group`` uses for tensors on ``device`` (``gloo``, ``nccl``,
+    ...), read from ``get_backend_config`` (``"gloo"`` or ``"cpu:gloo,cuda:nccl"``)."""
+    config = str(dist.get_backend_config(group))
+    if ":" not in config:
+        return config
+    by_device = dict(item.split(":", 1) for item in config.split(","))
+    if device.type not in by_device:
+        raise RuntimeError(
+            f"the process group has no backend for {device.type} tensors "
+            f"(its backends: {config}); gradients live on {device}"
+        )
+    return by_device[device.type]
+
+
+def _check_reducible(group, device: torch.device, dtype: torch.dtype, who: str, what: str) -> None:
+    """Raise ``TypeError`` if ``group`` cannot all-reduce ``dtype`` tensors on ``device``.
+
+    Only gloo and NCCL are known here; other backends (MPI, UCC, third-party) are trusted
+    to report their own errors."""
+    backend = _backend_for(group, device)
+    if backend == "gloo":
+        supported = _GLOO_DTYPES
+    elif backend == "nccl":
+        if device.type != "cuda":
+            raise TypeError(
+                f"{who}: the process group reduces {device.type} tensors with NCCL, which "
+                f"only reduces CUDA tensors; {what} are on {device}. Move the model to "
+                "CUDA or use a gloo process group"
+            )
+        supported = _NCCL_DTYPES
+        if dtype == torch.bfloat16:
+            version = _nccl_version()
+            if version is None or version < (2, 10):
+                raise TypeError(
+                    f"{who}: NCCL reduces bfloat16 from version 2.10, this torch has NCCL "
+                    f"{'.'.join(map(str, version)) if version else '(none)'}; {what} would "
+                    "be reduced as bfloat16. Use fp16_compress_hook or upgrade NCCL"
+                )
+    else:
+        return
+    if dtype not in supported:
+        names = ", ".join(sorted(str(d).replace("torch.", "") for d in supported))
+        raise TypeError(
+            f"{who}: the {backend} backend cannot all-reduce {dtype} tensors, and {what} "
+            f"would be reduced as {dtype}; {backend} reduces {names}"
+        )
+
+
+#: (id of group, device, bucket dtype, hook) already checked by a hook (a hook re-checks
+#: lazily so that a hook registered without :func:`register` still fails on every rank,
+#: before any collective, instead of hanging one of them).
+_checked: set = set()
+
+
+def _check_once(group, buf: torch.Tensor, wire: torch.dtype, who: str) -> None:
+    key = (id(group), buf.device, buf.dtype, who)
+    if key not in _checked:
+        if buf.layout != torch.strided and who != "allreduce_hook":
+            raise TypeError(
+                f"{who}: gradient buckets must be dense to be cast; got a {buf.layout} "
+                "bucket (an nn.Embedding(sparse=True)?). Use allreduce_hook for sparse gradients"
+            )
+        if who != "allreduce_hook":
+            check_conversion(buf.dtype, wire, 1.0, who)
+        _check_reducible(group, buf.device, wire, who, f"{buf.dtype} gradient buckets")
+        _checked.add(key)
+
+
+# ---------------------------------------------------------------------------------------
+# Fused passes over one bucket.
+
+# Kernels on CPU tensors run under a lock: a compress hook's pass for one bucket runs on
+# the autograd thread while the cast back of another runs on gloo's callback thread, and
+# neither Numba's workqueue threading layer nor the Triton interpreter may be entered
+# from two threads at once. Both passes are memory-bound, so little overlap is lost.
+_cpu_lock = threading.Lock()
+
+
+class _Bucket:
+    """What the passes over one bucket buffer reuse across steps: the launch group (its
+    address, numel and chunk maps, and on CUDA its pointer table in device memory) and
+    the low-precision buffers the compress hooks reduce in."""
+
+    __slots__ = ("alive", "group", "low")
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.alive = StorageWeakRef(buf.untyped_storage())
+        g = plan_for([buf], "bucket", cache=False).groups[0]
+        # The same group without the tensor itself: holding the bucket buffer would keep
+        # DDP's first-iteration buckets alive after it rebuilds them; the Numba and
+        # Triton launchers need only the address, which the cache key pins.
+        self.group = Group(g.dtype, g.device, g.index, (), g.addrs, g.numels, g.offsets)
+        self.low: dict = {}
+
+
+class _BucketCache:
+    """Per-bucket state keyed on (device, address, numel, dtype) of the bucket buffer.
+
+    Live buckets have distinct addresses, so two buckets in flight never share a
+    low-precision buffer, whichever DDP models the hooks serve. An entry whose bucket
+    storage has been freed (DDP rebuilds its buckets after the first iteration) is dropped
+    the next time a new bucket is seen.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict = {}
+        self._lock = threading.Lock()
+
+    def get(self, buf: torch.Tensor) -> _Bucket:
+        key = (buf.device, buf.data_ptr(), buf.numel(), buf.dtype)
+        entry = self._entries.get(key)
+        if entry is not None and not entry.alive.expired():
+            return entry
+        entry = _Bucket(buf)
+        with self._lock:
+            for k in [k for k, e in self._entries.items() if e.alive.expired()]:
+                del self._entries[k]
+            self._entries[key] = entry
+        return entry
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+_buckets = _BucketCache()
+
+
+def _launch(op: str, entry: _Bucket, bucket_buf: torch.Tensor, flat: torch.Tensor, scale) -> None:
+    """One fastpar pass between ``bucket_buf`` (the group side) and ``flat``: ``flatten``
+    writes ``flat`` from the bucket, ``unflatten_into`` writes the bucket from ``flat``;
+    ``flat`` may be the bucket itself (an in-place scale: every element is read and
+    written by the same program, so exact aliasing is safe)."""
+    backend, launch = _dispatch.kernel(op, bucket_buf.device)
+    group = entry.group
+    if backend == "torch":
+        # The reference backend copies through the tensors themselves.
+        group = plan_for([bucket_buf], "bucket", cache=False).groups[0]
+    src, dst = (bucket_buf, flat) if op == "flatten" else (flat, bucket_buf)
+    kwargs = _tuning.params(op, backend, src.dtype, dst.dtype, bucket_buf.numel())
+    if bucket_buf.device.type == "cpu":
+        with _cpu_lock:
+            launch(group, flat, scale, **kwargs)
+    else:
+        launch(group, flat, scale, **kwargs)
+    increment_version(dst)
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+# ---------------------------------------------------------------------------------------
+# Hooks.
+
+
+def _value(fut):
+    return fut.value()[0]
+
+
+def allreduce_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    r"""Average the gradient bucket across the process group with one ``all_reduce``.
+
+    A drop-in for ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks
+    .allreduce_hook``: the bucket is divided by the world size in place, then all-reduced
+    (sum) in place, and the future holds the bucket buffer itself (so with
+    ``gradient_as_bucket_view=True`` DDP copies nothing back).
+
+    The division is a multiplication by ``1 / world_size``, which for a power-of-two
+    world size is exactly torch's quotient, so results are bitwise equal to torch's
+    ``allreduce_hook``. On CUDA it is a fastpar (Triton) pass over the bucket in place. On
+    CPU it is torch's own in-place ``mul_``: fastpar's Numba kernel reading and writing the
+    same buffer cannot be vectorized (LLVM cannot prove source and destination disjoint)
+    and runs at about half of ``mul_``'s speed, and there is nothing to fuse with.
+    For other world sizes ``x * (1 / n)`` and ``x / n`` differ in the last bit for about a
+    third of float32 values (torch divides exactly on CPU), so the hook divides with
+    ``Tensor.div_``, still one pass, and stays bitwise equal. Sparse buckets take the
+    same ``div_`` path.
+
+    Args:
+        state (ProcessGroup or None): the group to average over; None means the default
+            group (``dist.group.WORLD``), as torch's hooks accept.
+        bucket (dist.GradBucket): the bucket DDP hands to the hook.
+
+    Returns:
+        torch.futures.Future[Tensor]: completes with the averaged bucket buffer.
+
+    Example::
+
+        >>> # xdoctest: +SKIP
+        >>> fastpar.ddp.register(ddp_model, fastpar.ddp.allreduce_hook)
+    """
+    group = _group_of(state)
+    buf = bucket.buffer()
+    _check_once(group, buf, buf.dtype, "allreduce_hook")
+    n = group.size()
+    if n > 1:
+        if not (_power_of_two(n) and buf.layout == torch.strided and buf.dtype in FLOAT_DTYPES):
+            buf.div_(n)
+        elif _dispatch.backend_for(buf.device) == "numba":
+            buf.mul_(1.0 / n)
+        else:
+            _launch("flatten", _buckets.get(buf), buf, buf, 1.0 / n)
+    return dist.all_reduce(buf, group=group, async_op=True).get_future().then(_value)
+
+
+allreduce_hook._fastpar_wire = None  # reduced in the bucket's own dtype
+
+
+#: dtype -> the hook compress_hook made for it (so each dtype has one hook object).
+_compress_hooks: dict = {}
+
+
+def compress_hook(dtype: torch.dtype = torch.bfloat16):
+    r"""A DDP communication hook that all-reduces gradients in ``dtype``.
+
+    The returned ``hook(state, bucket)`` takes one fused fastpar pass to scale the bucket
+    by ``1 / world_size`` and cast it into a ``dtype`` buffer, all-reduces that buffer
+    (sum), and takes one fused pass to cast the sum back into the bucket buffer, which the
+    future then holds. The ``dtype`` buffer is kept per bucket (keyed on the bucket's
+    address) and reused every step.
+
+    Compared with torch's ``fp16_compress_hook`` / ``bf16_compress_hook`` (cast into a new
+    tensor, divide it, copy it back: three passes and an allocation per bucket and step):
+
+    * two passes, no allocation after the first step;
+    * the scaling happens in float32 (float64 for float64 buckets) before the cast, so
+      a share is rounded to ``dtype`` once, from a float32 product, rather than divided
+      again after rounding (for a power-of-two world size: exactly the correctly rounded
+      ``x / world_size``), and a float16 gradient above 65504 survives the cast when its
+      share fits;
+    * the bfloat16 hook runs on gloo as well as NCCL (torch's refuses to run without CUDA
+      and NCCL, though gloo reduces bfloat16).
+
+    The kept buffers cost ``dtype.itemsize / 4`` of the float32 gradient memory for as
+    long as DDP keeps its buckets (torch's hooks allocate as much at every step). The hook
+    calls fastpar's kernels directly, so it is for eager DDP, not for a backward traced
+    by compiled autograd (use torch's hooks there).
+
+    Args:
+        dtype (torch.dtype): the dtype gradients travel and are summed in: ``torch.bfloat16``
+            (default), ``torch.float16``, or ``torch.float32`` (to compress a float64
+            model). Default: ``torch.bfloat16``.
+
+    Returns:
+        Callable: ``hook(state, bucket) -> Future[Tensor]``, ``state`` a process group or
+        None for the default group. The same object for the same ``dtype``.
+
+    Raises:
+        TypeError: ``dtype`` is not a floating-point dtype fastpar casts to.
+
+    Example::
+
+        >>> # xdoctest: +SKIP
+        >>> fastpar.ddp.register(ddp_model, fastpar.ddp.compress_hook(torch.float16))
+    """
+    if not isinstance(dtype, torch.dtype) or dtype not in FLOAT_DTYPES:
+        got = dtype if isinstance(dtype, torch.dtype) else f"{type(dtype).__name__} {dtype!r}"
+        raise TypeError(
+            f"dtype must be one of {', '.join(map(str, FLOAT_DTYPES))} (the floating-point "
+            f"dtypes fastpar casts to), got {got}"
+        )
+    hook = _compress_hooks.get(dtype)
+    if hook is None:
+        hook = _compress_hooks.setdefault(dtype, _make_compress_hook(dtype))
+    return hook
+
+
+def _make_compress_hook(dtype: torch.dtype):
+    short = str(dtype).replace("torch.", "")
+    who = f"compress_hook({short})"
+
+    def hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        group = _group_of(state)
+        buf = bucket.buffer()
+        _check_once(group, buf, dtype, who)
+        entry = _buckets.get(buf)
+        low = entry.low.get(dtype)
+        if low is None:
+            low = entry.low[dtype] = torch.empty(buf.numel(), dtype=dtype, device=buf.device)
+        _launch("flatten", entry, buf, low, 1.0 / group.size())
+        fut = dist.all_reduce(low, group=group, async_op=True).get_future()
+
+        def decompress(fut):
+            # Cast back in place: returning the bucket buffer itself spares DDP a copy
+            # when gradients are bucket views, and frees nothing to allocate again.
+            _launch("unflatten_into", entry, buf, fut.value()[0], None)
+            return buf
+
+        return fut.then(decompress)
+
+    # DDP refuses hooks *named* bf16_compress_hook unless CUDA + NCCL are present (a check
+    # meant for torch's own hook), so fastpar's hooks carry names of their own.
+    hook.__name__ = hook.__qualname__ = f"fastpar_compress_hook_{short}"
+    hook.__doc__ = (
+        f"fastpar DDP communication hook: fused scale + cast to {short}, all_reduce in "
+        f"{short}, fused cast back (see fastpar.ddp.compress_hook)."
+    )
+    hook._fastpar_wire = dtype
+    return hook
+
+
+#: ``compress_hook(torch.bfloat16)``: gradients all-reduced in bfloat16 (gloo or NCCL >= 2.10).
+bf16_compress_hook = compress_hook(torch.bfloat16)
+#: ``compress_hook(torch.float16)``: gradients all-reduced in float16.
+fp16_compress_hook = compress_hook(torch.float16)
+
+
+def _hook_name(hook) -> str:
+    return "allreduce_hook" if hook is allreduce_hook else f"compress_hook({str(hook._fastpar_wire).replace('torch.', '')})"
+
+
+def register(ddp_model, hook, state=None) -> None:
+    r"""Check ``hook`` against ``ddp_model`` and register it as its communication hook.
+
+    ``ddp_model.register_comm_hook(state, hook)`` accepts any callable and a combination
+    the backend cannot run only fails inside the first backward. This checks first, on
+    every rank alike and without communicating, then registers:
+
+    * every gradient DDP reduces (parameters that require grad, minus
+      ``parameters_to_ignore``) can be cast by the hook: floating point, dense (no
+      ``nn.Embedding(sparse=True)``) for the compress hooks;
+    * the process group's backend for the parameters' device can all-reduce the dtype
+      that travels: gloo reduces float32/64, float16 and bfloat16; NCCL needs CUDA
+      tensors and NCCL >= 2.10 for bfloat16. Other backends are not checked.
+
+    Hooks registered with ``register_comm_hook`` directly make the same checks at their
+    first call, before any collective, so a bad combination still raises on every rank
+    rather than hanging one of them.
+
+    Args:
+        ddp_model (DistributedDataParallel): the model to register on.
+        hook (Callable): :func:`allreduce_hook` or a hook from :func:`compress_hook`
+            (:data:`bf16_compress_hook`, :data:`fp16_compress_hook`).
+        state (ProcessGroup, optional): the group to reduce over. Default: the model's own
+            process group (``ddp_model.process_group``), which torch's hooks would reach
+            only if it is the default group.
+
+    Raises:
+        TypeError: ``ddp_model`` is not a DistributedDataParallel, ``hook`` is not a
+            fastpar hook, ``state`` is not a process group, or the combination of
+            gradient dtypes, hook and backend is unsupported (the message names the
+            parameter, its dtype and what would work).
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(
+            f"ddp_model must be a torch.nn.parallel.DistributedDataParallel, got {type(ddp_model).__name__}"
+        )
+    if not callable(hook) or not hasattr(hook, "_fastpar_wire"):
+        raise TypeError(
+            "hook must be fastpar.ddp.allreduce_hook or a hook made by fastpar.ddp.compress_hook "
+            f"(bf16_compress_hook, fp16_compress_hook), got {getattr(hook, '__qualname__', type(hook).__name__)}; "
+            "register other hooks with ddp_model.register_comm_hook"
+        )
+    if state is None:
+        state = ddp_model.process_group
+    group = _group_of(state)
+    who = _hook_name(hook)
+    wire = hook._fastpar_wire
+    ignored = set(getattr(ddp_model, "parameters_to_ignore", ()) or ())
+    sparse = {
+        id(m.weight)
+        for m in ddp_model.module.modules()
+        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse
+    }
+    checked = set()
+    for name, p in ddp_model.module.named_parameters():
+        if not p.requires_grad or name in ignored:
+            continue
+        if wire is not None:
+            if id(p) in sparse:
+                raise TypeError(
+                    f"{who} cannot cast sparse gradients, and parameter {name!r} gets them "
+                    "(an nn.Embedding/EmbeddingBag with sparse=True); use allreduce_hook"
+                )
+            if p.dtype not in FLOAT_DTYPES:
+                raise TypeError(
+                    f"{who} casts gradients with fastpar, which supports "
+                    f"{', '.join(map(str, FLOAT_DTYPES))}; parameter {name!r} is {p.dtype}. "
+                    "Use allreduce_hook for it"
+                )
+        key = (p.device, p.dtype)
+        if key not in checked:
+            _check_reducible(group, p.device, wire or p.dtype, who, f"gradients of parameter {name!r} ({p.dtype})")
+            checked.add(key)
+    ddp_model.register_comm_hook(state, hook)
+
+
+# ---------------------------------------------------------------------------------------
+# sync_params.
+
+
+def _pack(tensors: list, out: torch.Tensor) -> None:
+    """``fastpar.flatten(tensors, out=out)`` without the plan cache: the tensors here are
+    views made for one call, and caching their plan would pin the module's memory."""
+    plan = plan_for(tensors, "tensors", cache=False)
+    backend, launch = _dispatch.kernel("flatten", plan.device)
+    groups, _ = _staged_groups(plan, fill=True)
+    for g in groups:
+        launch(g, out, None, **_tuning.params("flatten", backend, g.dtype, out.dtype, plan.numel))
+
+
+def _unpack(flat: torch.Tensor, tensors: list) -> None:
+    """``fastpar.unflatten_into(flat, tensors)`` without the plan cache."""
+    plan = plan_for(tensors, "tensors", cache=False)
+    backend, launch = _dispatch.kernel("unflatten_into", plan.device)
+    groups, pending = _staged_groups(plan, fill=False)
+    for g in groups:
+        launch(g, flat, None, **_tuning.params("unflatten_into", backend, flat.dtype, g.dtype, plan.numel))
+    for dst, tmp in pending:
+        dst.copy_(tmp)
+    increment_version(plan.tensors)
+
+
+def sync_params(module, src: int = 0, process_group=None) -> None:
+    r"""Copy every parameter and buffer of ``module`` from rank ``src`` to all ranks of
+    ``process_group``, in one coalesced broadcast.
+
+    What ``DistributedDataParallel`` does at construction, for replicas built by hand:
+    rank ``src`` packs all parameters and buffers into one flat buffer with a fastpar
+    pass, ``dist.broadcast`` sends it, and every other rank unpacks it with one fastpar
+    pass. Contiguous tensors travel as raw bytes, so every dtype (integer buffers such as
+    ``num_batches_tracked``, bfloat16, bool, complex) shares that one buffer and arrives
+    bit for bit; a non-contiguous tensor travels in a buffer of its own dtype (one more
+    broadcast per such dtype), and a module spread over several devices takes one
+    broadcast per device.
+
+    Before the broadcast one small ``all_reduce`` compares a checksum of the tensors'
+    shapes and dtypes across ranks, so modules that differ raise ``ValueError`` on every
+    rank instead of hanging or scrambling the values.
+
+    Must be called by every rank of the group. Writes bypass autograd, like
+    ``torch.no_grad()``, and bump the tensors' version counters.
+
+    Args:
+        module (nn.Module): the replica; ``module.parameters()`` and ``module.buffers()``
+            are synchronized (each shared tensor once).
+        src (int): global rank whose values everyone receives. Default: 0.
+        process_group (ProcessGroup, optional): the group; default: the default group.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module`` or ``src`` is not an int.
+        ValueError: ``src`` is not a rank of the group, or ranks hold different modules.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if isinstance(src, bool) or not isinstance(src, int):
+        raise TypeError(f"src must be an int (a global rank), got {type(src).__name__} {src!r}")
+    group = _group_of(process_group, "process_group")
+    ranks = dist.get_process_group_ranks(group)
+    if src not in ranks:
+        raise ValueError(f"src must be a global rank in the process group {ranks}, got {src}")
+    me = dist.get_rank()
+
+    tensors = [t.detach() for t in [*module.parameters(), *module.buffers()]]
+    # Wire groups: (device, dtype) -> tensors packed into one buffer. Contiguous tensors
+    # go as bytes (views, so unpacking writes the real tensors); non-contiguous ones keep
+    # their dtype so the copy can follow their strides.
+    wires: dict = {}
+    signature = []
+    for t in tensors:
+        if t.is_contiguous():
+            w = t.reshape(-1).view(torch.uint8)
+        else:
+            w = t
+        wires.setdefault((t.device, w.dtype), []).append(w)
+        signature.append(f"{t.dtype}{tuple(t.shape)}{t.device.type}{int(t.is_contiguous())}")
+
+    device = tensors[0].device if tensors else torch.device("cpu")
+    crc = zlib.crc32(";".join(signature).encode())
+    check = torch.tensor([crc, len(tensors), -crc, -len(tensors)], dtype=torch.int64, device=device)
+    dist.all_reduce(check, op=dist.ReduceOp.MAX, group=group)
+    hi, lo = check[:2].tolist(), (-check[2:]).tolist()
+    if hi != lo:
+        raise ValueError(
+            f"sync_params: ranks hold different modules (rank {me} has {len(tensors)} parameters "
+            f"and buffers, checksum {crc}; across the group the counts span {lo[1]}..{hi[1]} and "
+            "the shape/dtype checksums differ); every rank must build the same architecture"
+        )
+
+    for (dev, dtype), ws in wires.items():
+        numel = sum(w.numel() for w in ws)
+        if numel == 0:
+            continue
+        flat = torch.empty(numel, dtype=dtype, device=dev)
+        if me == src:
+            _pack(ws, flat)
+        dist.broadcast(flat, src=src, group=group)
+        if me != src:
+            _unpack(flat, ws)
