@@ -7,27 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import measure
-from torch._utils import _flatten_dense_tensors, _reorder_tensors_as, _take_tensors, _unflatten_dense_tensors
 
 from fastpar import comm
+from fastpar._baselines import reduce_add_coalesced as torch_reduce_add_coalesced
 from fastpar._workloads import WORKLOADS, nbytes
-
-BUFFER = 10485760
-
-
-def torch_reduce_add_coalesced(inputs, buffer_size=BUFFER):
-    """torch.nn.parallel.comm.reduce_add_coalesced's steps, on CPU tensors."""
-    ref_order = list(inputs[0])
-    output = []
-    itrs = [_take_tensors(tensors, buffer_size) for tensors in inputs]
-    for chunks in zip(*itrs):
-        flats = [_flatten_dense_tensors(chunk) for chunk in chunks]
-        result = flats[0] + flats[1]
-        for other in flats[2:]:
-            result.add_(other)
-        output.extend(t.data for t in _unflatten_dense_tensors(result, chunks[0]))
-    return tuple(_reorder_tensors_as(output, ref_order))
-
 
 @pytest.fixture(scope="module", params=["transformer", "tiny"])
 def grads(request):

@@ -5,85 +5,16 @@ one copy per device, unflattened views; in backward, per-bucket flattens and pai
 adds. Steady state: two warm-up iterations first."""
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 import pytest
 import torch
 from conftest import measure
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _reorder_tensors_as, _take_tensors, _unflatten_dense_tensors
-from torch.autograd import Function
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import importlib
-
 import fastpar
-
-# (``torch.nn.parallel.replicate`` the attribute is the function; this is the module.)
-torch_replicate_mod = importlib.import_module("torch.nn.parallel.replicate")
-
-BUFFER = 10485760
-
-
-def _torch_broadcast_coalesced(tensors, k):
-    """torch's broadcast_coalesced on CPU: per bucket, flatten (cat into a fresh buffer),
-    one copy per other device, unflatten into views."""
-    outputs = [list(tensors)] + [[] for _ in range(k - 1)]
-    chunks = list(_take_tensors(list(tensors), BUFFER))
-    per_device = [[] for _ in range(k - 1)]
-    for chunk in chunks:
-        flat = _flatten_dense_tensors(chunk)
-        for j in range(k - 1):
-            per_device[j].extend(_unflatten_dense_tensors(flat.clone(), chunk))
-    for j in range(k - 1):
-        outputs[j + 1] = _reorder_tensors_as(per_device[j], tensors)
-    return outputs
-
-
-def _torch_reduce_add_coalesced(inputs):
-    ref_order = list(inputs[0])
-    output = []
-    for chunks in zip(*[_take_tensors(t, BUFFER) for t in inputs]):
-        flats = [_flatten_dense_tensors(c) for c in chunks]
-        result = flats[0] + flats[1]
-        for other in flats[2:]:
-            result.add_(other)
-        output.extend(t.data for t in _unflatten_dense_tensors(result, chunks[0]))
-    return tuple(_reorder_tensors_as(output, ref_order))
-
-
-class _TorchBroadcast(Function):
-    @staticmethod
-    def forward(ctx, k, *inputs):
-        ctx.n = len(inputs)
-        return tuple(t for ts in _torch_broadcast_coalesced(inputs, k) for t in ts)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        per = [list(grads[i : i + ctx.n]) for i in range(0, len(grads), ctx.n)]
-        return (None,) + _torch_reduce_add_coalesced(per)
-
-
-def _reshape(tensors, devices, detach=False):
-    if not tensors:
-        return []
-    if detach:
-        return _torch_broadcast_coalesced(tensors, len(devices))
-    copies = _TorchBroadcast.apply(len(devices), *tensors)
-    n = len(tensors)
-    return [list(copies[i : i + n]) for i in range(0, len(copies), n)]
-
-
-@contextlib.contextmanager
-def torch_algorithm():
-    """torch.nn.parallel.replicate with its comm steps replayed on CPU tensors."""
-    saved = torch_replicate_mod._broadcast_coalesced_reshape
-    torch_replicate_mod._broadcast_coalesced_reshape = _reshape
-    try:
-        yield lambda net, k: torch_replicate_mod.replicate(net, list(range(k)))
-    finally:
-        torch_replicate_mod._broadcast_coalesced_reshape = saved
+from fastpar._baselines import torch_replicate_algorithm as torch_algorithm
 
 
 def transformer():

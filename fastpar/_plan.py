@@ -19,6 +19,7 @@ import collections
 import operator
 import os
 import sys
+import weakref
 import threading
 from dataclasses import dataclass, field
 
@@ -205,6 +206,38 @@ class Plan:
         if hit is None:
             hit = self.__dict__["_shapes"] = tuple(t.shape for t in self.tensors)
         return hit
+
+    def _sorted_spans(self):
+        hit = self.__dict__.get("_sorted")
+        if hit is None:
+            order = np.argsort(self.spans[:, 0], kind="stable")
+            lo = self.spans[order, 0]
+            hi_max = np.maximum.accumulate(self.spans[order, 1])
+            hit = self.__dict__["_sorted"] = (lo, hi_max, order)
+        return hit
+
+    def overlap_with(self, other: "Plan") -> tuple[int, int] | None:
+        """``(i, j)`` such that ``self.tensors[i]`` overlaps ``other.tensors[j]`` in memory,
+        or None. Vectorised (sort + search, no loop over pairs), and remembered per pair of
+        plans (plans are immutable while cached)."""
+        memo = self.__dict__.setdefault("_overlap_memo", weakref.WeakKeyDictionary())
+        if other in memo:
+            return memo[other]
+        result = None
+        if self.device == other.device and len(self.spans) and len(other.spans):
+            lo, hi_max, order = other._sorted_spans()
+            mine = self.spans[self.spans[:, 1] > self.spans[:, 0]]  # empty tensors overlap nothing
+            keep = np.nonzero(self.spans[:, 1] > self.spans[:, 0])[0]
+            # For each of my intervals: the largest end among other's intervals starting
+            # before my end. They overlap iff that end lies past my start.
+            idx = np.searchsorted(lo, mine[:, 1], side="left") - 1
+            hit = (idx >= 0) & (hi_max[np.maximum(idx, 0)] > mine[:, 0])
+            if hit.any():
+                i = int(keep[np.argmax(hit)])
+                j = other.overlaps(self.tensors[i])
+                result = (i, j)
+        memo[other] = result
+        return result
 
     def overlaps(self, t: torch.Tensor) -> int:
         """Position of the first tensor whose memory overlaps ``t``'s, or -1."""

@@ -133,6 +133,35 @@ def _unflatten_into(ts):
                  2 * nbytes(ts))
 
 
+def _reduce_add_coalesced(ts, k=4):
+    """K = 4 CPU replicas of the gradients, summed into reused ``out=`` tensors, against
+    torch's algorithm (which allocates its buckets and result every call)."""
+    import fastpar
+    from ._baselines import reduce_add_coalesced as torch_way
+
+    copies = [ts] + [[t.clone() for t in ts] for _ in range(k - 1)]
+    out = [torch.empty_like(t) for t in ts]
+    dev = ts[0].device
+    return Setup(lambda: fastpar.comm.reduce_add_coalesced(copies, dev, out=out), lambda: torch_way(copies),
+                 (k + 1) * nbytes(ts))
+
+
+def _replicate(ts, k=2):
+    """``replicate`` of a module holding the workload's tensors as parameters onto K = 2
+    CPU replicas (steady state: buffers refilled), against torch's own ``replicate`` with
+    its broadcast steps replayed on CPU (fresh bucket buffers every call)."""
+    import fastpar
+    from ._baselines import torch_replicate_algorithm
+
+    holder = torch.nn.ParameterList([torch.nn.Parameter(t, requires_grad=False) for t in ts])
+
+    def base():
+        with torch_replicate_algorithm() as rep:
+            rep(holder, k)
+
+    return Setup(lambda: fastpar.replicate(holder, ["cpu"] * k, detach=True), base, k * nbytes(ts))
+
+
 F32, BF16 = torch.float32, torch.bfloat16
 #: The cases benchmarked, in table order (see the module docstring to add one).
 CASES: list[Case] = [
@@ -140,6 +169,8 @@ CASES: list[Case] = [
     Case("flatten out=", "fp32", _flatten_out, ("flatten", F32, F32)),
     Case("flatten bf16+scale out=", "fp32->bf16", _flatten_bf16_scale, ("flatten", F32, BF16)),
     Case("unflatten_into", "fp32", _unflatten_into, ("unflatten_into", F32, F32)),
+    Case("reduce_add_coalesced K=4 out=", "fp32", _reduce_add_coalesced, ("reduce_add", F32, F32)),
+    Case("replicate K=2", "fp32", _replicate, None),
 ]
 
 

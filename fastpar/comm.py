@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+import weakref
 
 import numpy as np
 import torch
@@ -314,7 +315,10 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
 
 def _check_same_layout(plans) -> None:
     p0 = plans[0]
+    checked = p0.__dict__.setdefault("_same_layout", weakref.WeakSet())
     for k, p in enumerate(plans[1:], 1):
+        if p in checked:  # plans are immutable while cached: checked once per pair
+            continue
         if len(p.tensors) != len(p0.tensors):
             raise ValueError(
                 f"inputs[{k}] (on {p.device}) has {len(p.tensors)} tensors but inputs[0] (on {p0.device}) "
@@ -327,6 +331,7 @@ def _check_same_layout(plans) -> None:
                 f"({p.dtypes[i]}) but inputs[0][{i}] on {p0.device} has shape {tuple(p0.tensors[i].shape)} "
                 f"({p0.dtypes[i]})"
             )
+        checked.add(p)
 
 
 def _check_out(out, p0, plans, dst):
@@ -335,20 +340,22 @@ def _check_out(out, p0, plans, dst):
         raise ValueError(f"out must be on the destination {dst}, got tensors on {out_plan.device}")
     if len(out_plan.tensors) != len(p0.tensors):
         raise ValueError(f"out must hold {len(p0.tensors)} tensors (one per input position), got {len(out_plan.tensors)}")
-    if out_plan.dtypes != p0.dtypes or out_plan.shapes != p0.shapes:
+    matched = out_plan.__dict__.setdefault("_matches", weakref.WeakSet())
+    if p0 not in matched and (out_plan.dtypes != p0.dtypes or out_plan.shapes != p0.shapes):
         i = next(i for i, (a, b) in enumerate(zip(out_plan.tensors, p0.tensors)) if a.shape != b.shape or a.dtype != b.dtype)
         raise ValueError(
             f"out[{i}] has shape {tuple(out_plan.tensors[i].shape)} ({out_plan.dtypes[i]}) but the inputs at "
             f"position {i} have shape {tuple(p0.tensors[i].shape)} ({p0.dtypes[i]})"
         )
+    matched.add(p0)
     if len(out_plan.noncontig):
         i = int(out_plan.noncontig[0])
         raise ValueError(f"out[{i}] must be contiguous (the kernel writes it in place), got strides {out_plan.tensors[i].stride()}")
     for k, p in enumerate(plans):
-        for i, t in enumerate(out_plan.tensors):
-            j = p.overlaps(t)
-            if j >= 0:
-                raise ValueError(f"out[{i}] overlaps the memory of inputs[{k}][{j}]; out must be separate buffers")
+        hit = out_plan.overlap_with(p)
+        if hit is not None:
+            i, j = hit
+            raise ValueError(f"out[{i}] overlaps the memory of inputs[{k}][{j}]; out must be separate buffers")
     return out_plan
 
 

@@ -273,3 +273,15 @@ def test_cuda_broadcast_coalesced_matches_torch():
 def test_cuda_single_device_reduce():
     ts = [torch.randn(100, device="cuda")] * 2
     assert torch.allclose(comm.reduce_add(ts, 0), ts[0] * 2)
+
+
+def test_out_overlap_detection_is_exact():
+    base = torch.zeros(100)
+    inputs = [[base[0:10], base[20:30]], [torch.randn(10), torch.randn(10)]]
+    ok = [base[10:20], base[30:40]]  # adjacent, not overlapping
+    comm.reduce_add_coalesced(inputs, "cpu", out=ok)
+    for bad, where in [([base[9:19], base[40:50]], r"out\[0\] overlaps the memory of inputs\[0\]\[0\]"),
+                       ([base[40:50], base[29:39]], r"out\[1\] overlaps the memory of inputs\[0\]\[1\]"),
+                       ([base[40:50], base[15:25]], r"out\[1\] overlaps the memory of inputs\[0\]\[1\]")]:
+        with pytest.raises(ValueError, match=where):
+            comm.reduce_add_coalesced(inputs, "cpu", out=bad)
