@@ -128,6 +128,12 @@ def unflatten_into(flat, tensors, *, scale=None) -> None:
     for g in plan.groups:
         check_conversion(flat.dtype, g.dtype, scale, "unflatten_into")
     check_no_overlap(plan, flat, "flat", "tensors")
+    for i in plan.noncontig.tolist():
+        if torch._debug_has_internal_overlap(plan.tensors[i]) == 1:
+            raise ValueError(
+                f"tensors[{i}] has internally overlapping memory (e.g. from expand(), strides "
+                f"{plan.tensors[i].stride()}): writing into it is ambiguous"
+            )
     backend, launch = _dispatch.kernel("unflatten_into", plan.device)
     groups, pending = _staged_groups(plan, fill=False)
     for g in groups:
@@ -162,6 +168,8 @@ def region(buf: torch.Tensor, group, byte_offset: int) -> torch.Tensor:
 
 def pack_bytes(plan, buf: torch.Tensor, layout) -> None:
     """Flatten every group of ``plan`` into its region of ``buf``: one launch per group."""
+    if buf.device != plan.device:
+        raise ValueError(f"the byte buffer must be on the tensors' device {plan.device}, got {buf.device}")
     backend, launch = _dispatch.kernel("flatten", plan.device)
     groups, _ = _staged_groups(plan, fill=True)
     for g, off in zip(groups, layout):

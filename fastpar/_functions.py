@@ -7,6 +7,7 @@ import torch
 from torch.autograd import Function
 
 from . import comm
+from ._plan import transient_tensors
 
 
 class Broadcast(Function):
@@ -43,11 +44,13 @@ class ReduceAddCoalesced(Function):
     def forward(ctx, destination, num_inputs, devices, *grads):
         ctx.devices = devices
         per_device = [list(grads[i : i + num_inputs]) for i in range(0, len(grads), num_inputs)]
-        return tuple(comm.reduce_add_coalesced(per_device, destination))
+        with transient_tensors():  # a step's gradients: don't keep their plans
+            return tuple(comm.reduce_add_coalesced(per_device, destination))
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        copies = comm.broadcast_coalesced(list(grad_outputs), ctx.devices)
+        with transient_tensors():
+            copies = comm.broadcast_coalesced(list(grad_outputs), ctx.devices)
         return (None, None, None) + tuple(t for tensors in copies for t in tensors)
 
 
@@ -98,7 +101,8 @@ class Gather(Function):
             )
             inputs = tuple(t.view(1) for t in inputs)
         ctx.input_sizes = [t.size(dim) for t in inputs]
-        return comm.gather(list(inputs), dim, target_device)
+        with transient_tensors():  # a step's outputs: don't keep their plans
+            return comm.gather(list(inputs), dim, target_device)
 
     @staticmethod
     def backward(ctx, grad_output):

@@ -9,13 +9,16 @@ size and, on CUDA, one device copy of its tables.
 Plans are built with ``map`` over C-level getters and vectorised numpy, never a Python
 loop per tensor, and are cached on the identity of the tensor objects: a training loop
 that flattens the same parameters every step builds nothing after the first step. Every
-cache hit re-checks each tensor's data pointer, so a tensor whose storage was replaced
-(``.data =``, ``set_``, a reallocating ``resize_``) gets a fresh plan, never a stale
-address.
+cache hit re-checks each tensor's data pointer, dtype, sizes and strides (in compiled
+code, see ``_fastcheck``), so a tensor whose storage was replaced (``.data =``, ``set_``,
+``resize_``) or whose shape changed in place (``t_()``, ``as_strided_()``) gets a fresh
+plan, never a stale address or layout.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import operator
 import os
 import sys
@@ -26,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ._fastcheck import same_tensors
+from ._fastcheck import metadata_guard, same_tensors
 
 _T = torch.Tensor
 _get_device = operator.attrgetter("device")
@@ -194,6 +197,8 @@ class Plan:
     ptrs_arr: np.ndarray
     #: References to ``tensors[0]`` held by the plan itself.
     internal_refs: int = 1
+    #: C++ guard of the tensors' dtype, sizes and strides (see ``_fastcheck``).
+    guard: object = None
 
     @property
     def numel(self) -> int:
@@ -283,7 +288,7 @@ def _build(tup: tuple) -> Plan:
                             addrs[idx], numels[idx], offsets[idx]))
     ids = np.fromiter(map(id, tup), np.int64, n)
     return Plan(tup, device, dtypes, numels, offsets, ptrs, noncontig, groups, spans, ids, addrs,
-                1 if len(groups) == 1 else 2)
+                1 if len(groups) == 1 else 2, metadata_guard(tup))
 
 
 class _PlanCache:
@@ -313,7 +318,8 @@ class _PlanCache:
                 plan = self._plans.get(key)
             if plan is not None and same_tensors(tensors, plan):
                 with self._lock:
-                    self._plans.move_to_end(key)
+                    if self._plans.get(key) is plan:  # another thread may have evicted it
+                        self._plans.move_to_end(key)
                     self.hits += 1
                 return plan
         tup = check_tensor_list(tensors, name)
@@ -342,9 +348,25 @@ class _PlanCache:
 _CACHE = _PlanCache()
 
 
+#: False inside :func:`transient_tensors`.
+_cache_enabled: contextvars.ContextVar[bool] = contextvars.ContextVar("fastpar_cache_plans", default=True)
+
+
+@contextlib.contextmanager
+def transient_tensors():
+    """Within this block, plans are not cached. The autograd functions of the
+    data-parallel path use it: their tensors (a replica's gradients and outputs) are new
+    every step, so caching their plans would only keep them alive."""
+    token = _cache_enabled.set(False)
+    try:
+        yield
+    finally:
+        _cache_enabled.reset(token)
+
+
 def plan_for(tensors, name: str, *, cache: bool = True) -> Plan:
     """Validate ``tensors`` (see :func:`check_tensor_list`) and return their plan."""
-    return _CACHE.get(tensors, name, cache)
+    return _CACHE.get(tensors, name, cache and _cache_enabled.get())
 
 
 def clear_plan_cache() -> None:

@@ -35,7 +35,7 @@ import torch
 from . import _cuda, _dispatch, _tuning
 from ._flatten import byte_layout, byte_views, flatten, pack_bytes, region
 from ._plan import ReduceGroup, check_tensor_list, plan_for
-from ._validate import check_conversion
+from ._validate import CAST_DTYPES
 
 __all__ = [
     "broadcast",
@@ -84,10 +84,12 @@ def _devices(devices, name: str) -> list[torch.device]:
     return devs
 
 
-def _check_device_set(devs, name: str) -> None:
+def _check_device_set(devs, name: str, *, unique: bool = True) -> None:
     types = {d.type for d in devs}
     if len(types) > 1:
         raise ValueError(f"{name} mixes CPU and CUDA devices ({[str(d) for d in devs]}); use one kind per call")
+    if not unique:  # a sum may take several inputs from one device, as torch's does
+        return
     seen = {}
     for i, d in enumerate(devs):
         if d.type == "cuda":
@@ -236,7 +238,7 @@ def reduce_add(inputs, destination=None):
     """
     tensors = _checked_any_device(inputs, "inputs")
     devs = [t.device for t in tensors]
-    _check_device_set(devs, "inputs' devices")
+    _check_device_set(devs, "inputs' devices", unique=False)
     t0 = tensors[0]
     for i, t in enumerate(tensors[1:], 1):
         if t.shape != t0.shape or t.dtype != t0.dtype:
@@ -245,9 +247,19 @@ def reduce_add(inputs, destination=None):
                 f"(on {t0.device}) has shape {tuple(t0.shape)} and dtype {t0.dtype}"
             )
     dst = _destination(destination, devs)
-    check_conversion(t0.dtype, t0.dtype, 1.0 if t0.dtype.is_floating_point else None, "reduce_add")
+    _check_reducible(t0.dtype, "inputs")
+    if len(tensors) == 1:
+        return tensors[0]  # as torch: nothing to add
     [result] = reduce_add_coalesced([[t] for t in tensors], dst)
     return result
+
+
+def _check_reducible(dtype, name: str) -> None:
+    if dtype not in CAST_DTYPES:
+        raise TypeError(
+            f"{name}: cannot reduce {dtype} tensors; the reduce kernels support "
+            f"{', '.join(str(d).replace('torch.', '') for d in CAST_DTYPES)}"
+        )
 
 
 def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, *, out=None):
@@ -274,11 +286,11 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
         raise TypeError(f"inputs must be a non-empty list of per-device tensor lists, got {inputs!r:.80}")
     plans = [plan_for(lst, f"inputs[{k}]") for k, lst in enumerate(inputs)]
     devs = [p.device for p in plans]
-    _check_device_set(devs, "inputs' devices")
+    _check_device_set(devs, "inputs' devices", unique=False)
     _check_same_layout(plans)
     dst = _destination(destination, devs)
     for g in plans[0].groups:
-        check_conversion(g.dtype, g.dtype, 1.0 if g.dtype.is_floating_point else None, "reduce_add_coalesced")
+        _check_reducible(g.dtype, f"inputs[0][{int(g.index[0])}]")
     if out is not None:
         out_plan = _check_out(out, plans[0], plans, dst)
     # -- validated: from here on, launches.
@@ -441,8 +453,10 @@ def scatter(tensor, devices=None, chunk_sizes=None, dim=0, streams=None, *, out=
                 f"chunk_sizes must sum to tensor.size({dim}) = {size}, got {sizes} (sum {sum(sizes)})"
             )
         chunks = tensor.split(sizes, dim)
-    if streams is not None and len(streams) != len(devs):
-        raise ValueError(f"streams must have one entry per device ({len(devs)}), got {len(streams)}")
+    if streams is not None:
+        if len(streams) < len(devs):
+            raise ValueError(f"streams must have one entry per device ({len(devs)}), got {len(streams)}")
+        streams = streams[: len(devs)]  # a short dim leaves some devices without a chunk
     result = []
     for i, (chunk, d) in enumerate(zip(chunks, devs)):
         if chunk.device == d:

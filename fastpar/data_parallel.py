@@ -14,6 +14,10 @@ from .scatter_gather import gather, scatter_kwargs
 __all__ = ["DataParallel", "data_parallel"]
 
 
+def _index(device: torch.device):
+    return device.index if device.type == "cuda" else device
+
+
 def _default_device_ids():
     return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else None
 
@@ -73,8 +77,9 @@ class DataParallel(Module):
             output_device = devs[0]
         self.dim = dim
         self.module = module
-        self.device_ids = devs
-        self.output_device = comm._device(output_device, "output_device")
+        # As torch: CUDA devices as indices (CPU replicas as torch.device("cpu")).
+        self.device_ids = [_index(d) for d in devs]
+        self.output_device = _index(comm._device(output_device, "output_device"))
         self.src_device_obj = devs[0]
         if devs[0].type == "cuda":
             from torch.nn.parallel.data_parallel import _check_balance

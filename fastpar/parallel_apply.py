@@ -2,6 +2,7 @@
 does, for CUDA devices and for ``"cpu"`` replicas in host memory."""
 from __future__ import annotations
 
+import contextvars
 import threading
 
 import torch
@@ -54,21 +55,21 @@ def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
     streams = [torch.cuda.current_stream(d) if d.type == "cuda" else None for d in devices]
     lock = threading.Lock()
     results = {}
-    # Grad mode and autocast are thread-local: carry the caller's into each thread.
+    # Grad mode, autocast and context variables (fastpar.use_backend) are thread-local:
+    # carry the caller's into each thread.
     grad_enabled = torch.is_grad_enabled()
-    autocast_enabled = torch.is_autocast_enabled("cuda") if torch.cuda.is_available() else False
-    autocast_dtype = torch.get_autocast_dtype("cuda") if autocast_enabled else None
+    autocast = {t: (torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in ("cuda", "cpu")}
 
     def _worker(i, module, input, kwargs, device, stream):
         torch.set_grad_enabled(grad_enabled)
+        enabled, dtype = autocast[device.type]
         try:
-            if device.type == "cuda":
-                with torch.cuda.device(device), torch.cuda.stream(stream), torch.autocast(
-                    "cuda", enabled=autocast_enabled, dtype=autocast_dtype
-                ):
+            with torch.autocast(device.type, enabled=enabled, dtype=dtype):
+                if device.type == "cuda":
+                    with torch.cuda.device(device), torch.cuda.stream(stream):
+                        output = module(*_as_tuple(input), **kwargs)
+                else:
                     output = module(*_as_tuple(input), **kwargs)
-            else:
-                output = module(*_as_tuple(input), **kwargs)
             with lock:
                 results[i] = output
         except Exception:
@@ -77,7 +78,8 @@ def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
 
     if len(modules) > 1:
         threads = [
-            threading.Thread(target=_worker, args=(i, m, x, k, d, s), name=f"fastpar-replica-{i}")
+            threading.Thread(target=contextvars.copy_context().run, args=(_worker, i, m, x, k, d, s),
+                             name=f"fastpar-replica-{i}")
             for i, (m, x, k, d, s) in enumerate(zip(modules, inputs, kwargs_tup, devices, streams))
         ]
         for t in threads:

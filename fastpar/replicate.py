@@ -178,6 +178,13 @@ def replicate(network, devices, detach=False):
         return []
     devs = comm._devices(devices, "devices")
     num_replicas = len(devs)
+    for kind, tensors in (("parameter", network.named_parameters()), ("buffer", network.named_buffers())):
+        for name, t in tensors:
+            if t.device != devs[0]:
+                raise RuntimeError(
+                    f"replicate: network's {kind} {name!r} is on {t.device}, but every parameter and "
+                    f"buffer must be on devices[0] ({devs[0]})"
+                )
     pool = _POOLS.get(network)
     if pool is None:
         pool = _POOLS[network] = _BufferPool()

@@ -191,6 +191,32 @@ def test_failure_in_a_replica_names_it_and_leaves_no_thread():
     assert threading.active_count() == before
 
 
+def test_backend_and_cpu_autocast_reach_replica_threads():
+    seen = []
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            from fastpar import _dispatch
+
+            seen.append(_dispatch.backend_for(x.device))
+            return self.lin(x)
+
+    dp = DataParallel(Probe(), device_ids=["cpu", "cpu"])
+    with fastpar.use_backend("torch"), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = dp(torch.randn(4, 4))
+    assert seen == ["torch", "torch"]
+    assert out.dtype == torch.bfloat16
+
+
+def test_device_ids_are_torch_style():
+    dp = DataParallel(nn.Linear(2, 2), device_ids=["cpu", "cpu"])
+    assert dp.device_ids == [torch.device("cpu")] * 2 and dp.output_device == torch.device("cpu")
+
+
 def test_functional_data_parallel():
     model = nn.Linear(3, 2).double()
     x = torch.randn(5, 3, dtype=torch.float64)
@@ -228,19 +254,22 @@ needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2
 
 
 @needs_2_gpus
-def test_cuda_matches_torch_data_parallel_and_no_rnn_warning(recwarn):
+def test_cuda_matches_torch_data_parallel_and_no_rnn_warning():
+    import warnings
+
     torch.manual_seed(0)
     model = Net().cuda()
     ref = Net().cuda()
     ref.load_state_dict(model.state_dict())
     ids = list(range(torch.cuda.device_count()))
     tokens = torch.randint(0, 20, (8, 5))
-    out = DataParallel(model, device_ids=ids)(tokens)
+    with warnings.catch_warnings(record=True) as caught:  # fastpar alone (torch's DP warns)
+        warnings.simplefilter("always")
+        out = DataParallel(model, device_ids=ids)(tokens)
+        out.sum().backward()
+    assert not [w for w in caught if "contiguous chunk of memory" in str(w.message)]
     ref_out = nn.DataParallel(ref, device_ids=ids)(tokens)
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
-    out.sum().backward()
     ref_out.sum().backward()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-4)
-    assert not [w for w in recwarn.list if "contiguous chunk of memory" in str(w.message)
-                and "fastpar" not in w.filename]

@@ -293,6 +293,22 @@ def test_unflatten_into_bad_input():
     assert targets[0].isnan().all()
 
 
+def test_unflatten_into_rejects_expanded_destination():
+    a = poison_(torch.empty(3))
+    with pytest.raises(ValueError, match=r"tensors\[1\] has internally overlapping memory"):
+        fastpar.unflatten_into(torch.arange(7.0), [a, torch.zeros(1).expand(4)])
+    assert a.isnan().all(), "a rejected call wrote into tensors[0]"
+
+
+def test_complex_and_bool_copied_as_bits(backend):
+    ts = [torch.randn(5, dtype=torch.complex64), torch.randn(3, dtype=torch.complex64)]
+    assert torch.equal(fastpar.flatten(ts), torch.cat(ts))
+    bs = [torch.rand(7) > 0.5, torch.rand(2) > 0.5]
+    assert torch.equal(fastpar.flatten(bs), torch.cat(bs))
+    with pytest.raises(TypeError, match="16-byte elements"):
+        fastpar.flatten([torch.randn(2, dtype=torch.complex128)])
+
+
 def test_bad_backend_name(monkeypatch):
     monkeypatch.setenv("FASTPAR_BACKEND", "cuda-magic")
     with pytest.raises(ValueError, match="FASTPAR_BACKEND must be one of"):
@@ -317,3 +333,28 @@ def test_fast_plan_check_matches_python():
         assert _fastcheck._python_check(list(candidate), plan.ids, plan.ptrs, plan.tensors) is expected
     ts[1].data = torch.randn(5)  # same object, new storage
     assert not _fastcheck.same_tensors(ts, plan)
+
+
+@pytest.mark.parametrize("change", ["t_", "resize_", "as_strided_", "data_view", "requires_grad"])
+def test_plan_cache_sees_in_place_metadata_changes(change):
+    a = torch.arange(6.0).view(2, 3).clone()
+    b = torch.arange(6.0, 10.0)
+    ts = [a, b]
+    fastpar.flatten(ts)
+    if change == "t_":
+        a.t_()
+    elif change == "resize_":
+        a.resize_(4)
+    elif change == "as_strided_":
+        a.as_strided_((3,), (2,))
+    elif change == "data_view":
+        a.data = a.data.view(-1)[:2]
+    else:
+        a.requires_grad_(False)
+        b.requires_grad_(True)
+    with torch.no_grad():
+        expected = torch.cat([t.reshape(-1) for t in ts])
+        assert torch.equal(fastpar.flatten(ts), expected), change
+        flat = torch.randn(expected.numel())
+        fastpar.unflatten_into(flat, ts)
+        assert torch.equal(torch.cat([t.reshape(-1) for t in ts]), flat), change

@@ -123,6 +123,12 @@ def test_buffers_requiring_grad_are_differentiable():
     assert not reps[1].scale.requires_grad
 
 
+def test_replicate_network_not_on_first_device():
+    # (meta stands in for a device the network is not on; torch raises here too)
+    with pytest.raises(RuntimeError, match=r"parameter 'weight' is on meta, but every parameter and buffer must be on devices\[0\] \(cpu\)"):
+        replicate(nn.Linear(2, 2).to("meta"), ["cpu", "cpu"])
+
+
 def test_replicate_bad_input():
     with pytest.raises(ValueError, match="must not repeat a CUDA device"):
         replicate(nn.Linear(2, 2), [0, 0])

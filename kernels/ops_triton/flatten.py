@@ -94,8 +94,10 @@ def flat_view(flat: torch.Tensor, flat_type, is_destination: bool) -> torch.Tens
     """The flat buffer as the kernel addresses it: as integers for raw copies, and as
     int16 bits when bf16 is written (by hand, see ``to_storage``)."""
     raw = flat_type in (tl.int8, tl.int16, tl.int32, tl.int64)
-    if (raw or (is_destination and flat.dtype == torch.bfloat16)) and flat.dtype.is_floating_point:
-        return flat.view(_INT_BY_SIZE[flat.element_size()])
+    if raw and flat.dtype not in _INT_BY_SIZE.values():
+        return flat.view(_INT_BY_SIZE[flat.element_size()])  # any dtype (complex, bool) as bits
+    if is_destination and flat.dtype == torch.bfloat16:
+        return flat.view(torch.int16)
     return flat
 
 
