@@ -300,10 +300,7 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
         path = "peer" if _cuda.enable_peer_access(dst, devs) else "staged"
     log.debug("reduce_add_coalesced: %d sources -> %s, %s path", len(plans), dst, path)
     if out is None:
-        layout, nbytes = byte_layout(plans[0])
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=dst)
-        dst_addr = [buf.data_ptr() + off + g.local_offsets * g.dtype.itemsize for g, off in zip(plans[0].groups, layout)]
-        dst_tensors = [region(buf, g, off) for g, off in zip(plans[0].groups, layout)]
+        dst_addr, dst_tensors, result = _result_buffers(plans[0], dst, buffer_size)
     else:
         dst_addr = [g.addrs for g in out_plan.groups]
         dst_tensors = [list(g.tensors) for g in out_plan.groups]
@@ -322,7 +319,63 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
     if out is not None:
         torch.autograd.graph.increment_version(out_plan.tensors)
         return list(out)
-    return byte_views(buf, plans[0], layout)
+    return result
+
+
+def _result_buffers(plan, dst, buffer_size: int):
+    """New result tensors for ``plan``'s positions on ``dst``: per dtype group, their
+    addresses and the tensors, and all of them in plan order.
+
+    They are views of buffers of at most ``buffer_size`` bytes (a larger tensor gets one
+    of its own), as torch's buckets are: the allocator recycles such blocks from call to
+    call, where one buffer of hundreds of MB would be mapped, and page-faulted, afresh each
+    call (which costs more than the reduction itself on a CPU).
+    """
+    result = [None] * len(plan.tensors)
+    addrs, per_group = [], []
+    for g, chunks in zip(plan.groups, _result_chunks(plan, buffer_size)):
+        a = np.empty(len(g.numels), dtype=np.int64)
+        views = []
+        for lo, hi, numel, local, sizes, not_1d in chunks:
+            buf = torch.empty(numel, dtype=g.dtype, device=dst)
+            a[lo:hi] = buf.data_ptr() + local
+            pieces = list(buf.split_with_sizes(sizes)) if hi - lo > 1 else [buf]
+            for j, shape in not_1d:
+                pieces[j] = pieces[j].view(shape)
+            views.extend(pieces)
+        for i, v in zip(g.index.tolist(), views):
+            result[i] = v
+        addrs.append(a)
+        per_group.append(views)
+    return addrs, per_group, result
+
+
+def _result_chunks(plan, buffer_size: int):
+    """Per group, the buffers :func:`_result_buffers` allocates (computed once per plan
+    and size): ``(lo, hi, numel, byte offsets, numels, [(j, shape) not 1-D])``."""
+    memo = plan.__dict__.setdefault("_result_chunks", {})
+    hit = memo.get(buffer_size)
+    if hit is None:
+        hit = []
+        shapes = plan.shapes
+        for g in plan.groups:
+            item = g.dtype.itemsize
+            start_bytes = g.local_offsets * item
+            # Tensors starting in the same buffer_size window share a buffer.
+            window = start_bytes // buffer_size
+            cuts = np.flatnonzero(np.diff(window)) + 1
+            bounds = np.concatenate([[0], cuts, [len(g.numels)]]).astype(np.int64)
+            chunks = []
+            for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+                nums = g.numels[lo:hi]
+                local = np.zeros(hi - lo, dtype=np.int64)
+                np.cumsum(nums[:-1] * item, out=local[1:])
+                idx = g.index[lo:hi].tolist()
+                not_1d = [(j, shapes[i]) for j, i in enumerate(idx) if len(shapes[i]) != 1]
+                chunks.append((lo, hi, int(nums.sum()), local, nums.tolist(), not_1d))
+            hit.append(chunks)
+        memo[buffer_size] = hit
+    return hit
 
 
 def _check_same_layout(plans) -> None:
