@@ -206,17 +206,35 @@ def replicate(network, devices, detach=False):
     module_indices = {}
     for i, module in enumerate(modules):
         module_indices[module] = i
+        plain = _plain_replication(module)
         for j in range(num_replicas):
-            replica = module._replicate_for_data_parallel()
-            replica._former_parameters = OrderedDict()
+            if plain:
+                # Module._replicate_for_data_parallel, without a Module.__setattr__ per field.
+                replica = module.__new__(type(module))
+                d = module.__dict__.copy()
+                d["_parameters"] = {}
+                d["_buffers"] = d["_buffers"].copy()
+                d["_modules"] = d["_modules"].copy()
+                d["_is_replica"] = True
+                d["_former_parameters"] = OrderedDict()
+                object.__setattr__(replica, "__dict__", d)
+            else:
+                replica = module._replicate_for_data_parallel()
+                replica._former_parameters = OrderedDict()
             module_copies[j].append(replica)
 
+    hooks_free = _no_registration_hooks()
     for i, module in enumerate(modules):
+        # What Module.__setattr__ ends up doing, done directly where the replica's class
+        # does not customise it (thousands of calls per replicate otherwise dominate it).
+        fast = hooks_free and _plain_setattr(module)
         for key, child in module._modules.items():
             for j in range(num_replicas):
                 replica = module_copies[j][i]
                 if child is None:
                     replica._modules[key] = None
+                elif fast:
+                    replica._modules[key] = module_copies[j][module_indices[child]]
                 else:
                     setattr(replica, key, module_copies[j][module_indices[child]])
         for key, param in module._parameters.items():
@@ -226,15 +244,37 @@ def replicate(network, devices, detach=False):
                     replica._parameters[key] = None
                 else:
                     copy = param_copies[j][param_indices[param]]
-                    setattr(replica, key, copy)
+                    if fast:  # a plain (non-Parameter) attribute, as Module.__setattr__ makes it
+                        replica.__dict__[key] = copy
+                    else:
+                        setattr(replica, key, copy)
                     replica._former_parameters[key] = copy
         for key, buf in module._buffers.items():
             for j in range(num_replicas):
                 replica = module_copies[j][i]
                 if buf is None:
                     replica._buffers[key] = None
-                elif buf.requires_grad and not detach:
-                    setattr(replica, key, copies_rg[j][idx_rg[buf]])
+                    continue
+                copy = copies_rg[j][idx_rg[buf]] if buf.requires_grad and not detach else copies_not_rg[j][idx_not_rg[buf]]
+                if fast:  # register_buffer with the original's persistence: unchanged
+                    replica._buffers[key] = copy
                 else:
-                    setattr(replica, key, copies_not_rg[j][idx_not_rg[buf]])
+                    setattr(replica, key, copy)
     return [module_copies[j][0] for j in range(num_replicas)]
+
+
+def _plain_replication(module) -> bool:
+    cls = type(module)
+    return cls._replicate_for_data_parallel is torch.nn.Module._replicate_for_data_parallel and _plain_setattr(module)
+
+
+def _plain_setattr(module) -> bool:
+    cls = type(module)
+    return cls.__setattr__ is torch.nn.Module.__setattr__ and cls.register_buffer is torch.nn.Module.register_buffer
+
+
+def _no_registration_hooks() -> bool:
+    m = torch.nn.modules.module
+    return not any(getattr(m, name, None) for name in (
+        "_global_module_registration_hooks", "_global_parameter_registration_hooks",
+        "_global_buffer_registration_hooks"))
