@@ -37,8 +37,8 @@ from torch.autograd.graph import increment_version
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _dispatch, _tuning
-from ._flatten import _staged_groups
-from ._plan import Group, plan_for
+from ._flatten import flatten, unflatten_into
+from ._plan import Group, plan_for, transient_tensors
 from ._validate import FLOAT_DTYPES, check_conversion
 
 __all__ = [
@@ -492,23 +492,14 @@ def register(ddp_model, hook, state=None) -> None:
 def _pack(tensors: list, out: torch.Tensor) -> None:
     """``fastpar.flatten(tensors, out=out)`` without the plan cache: the tensors here are
     views made for one call, and caching their plan would pin the module's memory."""
-    plan = plan_for(tensors, "tensors", cache=False)
-    backend, launch = _dispatch.kernel("flatten", plan.device)
-    groups, _ = _staged_groups(plan, fill=True)
-    for g in groups:
-        launch(g, out, None, **_tuning.params("flatten", backend, g.dtype, out.dtype, plan.numel))
+    with transient_tensors():
+        flatten(tensors, out=out)
 
 
 def _unpack(flat: torch.Tensor, tensors: list) -> None:
     """``fastpar.unflatten_into(flat, tensors)`` without the plan cache."""
-    plan = plan_for(tensors, "tensors", cache=False)
-    backend, launch = _dispatch.kernel("unflatten_into", plan.device)
-    groups, pending = _staged_groups(plan, fill=False)
-    for g in groups:
-        launch(g, flat, None, **_tuning.params("unflatten_into", backend, flat.dtype, g.dtype, plan.numel))
-    for dst, tmp in pending:
-        dst.copy_(tmp)
-    increment_version(plan.tensors)
+    with transient_tensors():
+        unflatten_into(flat, tensors)
 
 
 def sync_params(module, src: int = 0, process_group=None) -> None:

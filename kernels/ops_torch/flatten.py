@@ -5,21 +5,24 @@ from __future__ import annotations
 import torch
 
 
-def flatten(group, out: torch.Tensor, scale: float | None) -> None:
+def _pieces(group, flat: torch.Tensor):
+    """Each tensor of ``group`` with its slice of ``flat``, shaped like it."""
     for t, off, n in zip(group.tensors, group.offsets.tolist(), group.numels.tolist()):
-        piece = out[off : off + n].view(t.shape)
-        if scale is None:
-            piece.copy_(t)
-        else:
-            compute = torch.float64 if torch.float64 in (t.dtype, out.dtype) else torch.float32
-            piece.copy_(t.to(compute) * scale)
+        yield t, flat[off : off + n].view(t.shape)
+
+
+def _scaled(src: torch.Tensor, dst_dtype: torch.dtype, scale: float | None) -> torch.Tensor:
+    if scale is None:
+        return src
+    compute = torch.float64 if torch.float64 in (src.dtype, dst_dtype) else torch.float32
+    return src.to(compute) * scale
+
+
+def flatten(group, out: torch.Tensor, scale: float | None) -> None:
+    for t, piece in _pieces(group, out):
+        piece.copy_(_scaled(t, out.dtype, scale))
 
 
 def unflatten_into(group, flat: torch.Tensor, scale: float | None) -> None:
-    for t, off, n in zip(group.tensors, group.offsets.tolist(), group.numels.tolist()):
-        piece = flat[off : off + n].view(t.shape)
-        if scale is None:
-            t.copy_(piece)
-        else:
-            compute = torch.float64 if torch.float64 in (t.dtype, flat.dtype) else torch.float32
-            t.copy_(piece.to(compute) * scale)
+    for t, piece in _pieces(group, flat):
+        t.copy_(_scaled(piece, t.dtype, scale))
