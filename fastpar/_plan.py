@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ._fastcheck import metadata_guard, same_tensors
+from ._fastcheck import metadata_snapshot, same_tensors
 
 _T = torch.Tensor
 _get_device = operator.attrgetter("device")
@@ -197,7 +197,8 @@ class Plan:
     ptrs_arr: np.ndarray
     #: References to ``tensors[0]`` held by the plan itself.
     internal_refs: int = 1
-    #: C++ guard of the tensors' dtype, sizes and strides (see ``_fastcheck``).
+    #: Metadata snapshot for the compiled re-check, or else a C++ guard (``_fastcheck``).
+    meta: object = None
     guard: object = None
 
     @property
@@ -254,7 +255,7 @@ class Plan:
         return int(hit[0]) if len(hit) else -1
 
 
-def _build(tup: tuple) -> Plan:
+def _build(tup: tuple, cache: bool = True) -> Plan:
     n = len(tup)
     device = tup[0].device
     dtypes = list(map(_get_dtype, tup))
@@ -287,8 +288,9 @@ def _build(tup: tuple) -> Plan:
         groups.append(Group(d, device, idx, tuple(tup[i] for i in idx) if len(members) > 1 else tup,
                             addrs[idx], numels[idx], offsets[idx]))
     ids = np.fromiter(map(id, tup), np.int64, n)
+    meta, guard = metadata_snapshot(tup, numels, dtypes) if cache else (None, None)
     return Plan(tup, device, dtypes, numels, offsets, ptrs, noncontig, groups, spans, ids, addrs,
-                1 if len(groups) == 1 else 2, metadata_guard(tup))
+                1 if len(groups) == 1 else 2, meta, guard)
 
 
 class _PlanCache:
@@ -308,7 +310,7 @@ class _PlanCache:
 
     def get(self, tensors, name: str, cache: bool) -> Plan:
         if not cache or self.size <= 0:
-            return _build(check_tensor_list(tensors, name))
+            return _build(check_tensor_list(tensors, name), cache=False)
         # Fast path: the very tensor objects of a cached plan (so already validated:
         # their type, layout and device cannot change without their data pointer
         # changing too), each still at the same address.

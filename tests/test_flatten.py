@@ -358,3 +358,19 @@ def test_plan_cache_sees_in_place_metadata_changes(change):
         flat = torch.randn(expected.numel())
         fastpar.unflatten_into(flat, ts)
         assert torch.equal(torch.cat([t.reshape(-1) for t in ts]), flat), change
+
+
+def test_compiled_metadata_check_is_calibrated_and_used():
+    from fastpar import _fastcheck
+    from fastpar._plan import plan_for
+
+    assert _fastcheck._calibrate() is not None, "TensorImpl calibration failed on this torch"
+    plan = plan_for([torch.randn(2, 3), torch.randn(4)], "tensors")
+    assert plan.meta is not None and plan.guard is None
+    # More than 5 dimensions: sizes live out of line, so the C++ guard checks instead.
+    six = [torch.randn(1, 2, 1, 2, 1, 2)]
+    plan6 = plan_for(six, "tensors")
+    assert plan6.meta is None and plan6.guard is not None
+    fastpar.flatten(six)
+    six[0].t_() if six[0].dim() == 2 else six[0].transpose_(1, 3)
+    assert torch.equal(fastpar.flatten(six), six[0].reshape(-1))
