@@ -1,0 +1,38 @@
+"""The Triton kernels under the global ``TRITON_INTERPRET=1`` switch (where every
+``@triton.jit`` is interpreted from import on), in a fresh process, on CPU tensors."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent(
+    """
+    import torch, fastpar
+    from fastpar import comm
+    from triton.runtime.interpreter import InterpretedFunction
+    from fastpar.kernels.ops_triton import flatten as F, reduce_add as R
+    assert isinstance(F._copy_kernel, InterpretedFunction), type(F._copy_kernel)
+    torch.manual_seed(0)
+    ts = [torch.randn(7), torch.randn(3, 5), torch.randn(()), torch.randn(4, 6).t(), torch.randn(1030)]
+    ref = torch.cat([t.reshape(-1) for t in ts])
+    with fastpar.count_launches() as n:
+        out = fastpar.flatten(ts, dtype=torch.bfloat16, scale=0.5)
+    assert n.by_op == {("triton", "flatten"): 1}, n.by_op
+    assert torch.equal(out, (ref * 0.5).bfloat16()), "flatten"
+    back = [torch.full_like(t, float("nan")) for t in ts]
+    fastpar.unflatten_into(ref, back)
+    assert all(torch.equal(a, b) for a, b in zip(back, ts)), "unflatten_into"
+    lists = [[t.clone() for t in ts] for _ in range(3)]
+    sums = comm.reduce_add_coalesced(lists, "cpu")
+    assert all(torch.allclose(s, 3 * t) for s, t in zip(sums, ts)), "reduce_add_coalesced"
+    print("ok")
+    """
+)
+
+
+def test_kernels_under_global_triton_interpret():
+    env = dict(os.environ, TRITON_INTERPRET="1", FASTPAR_BACKEND="triton")
+    res = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr
