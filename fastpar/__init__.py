@@ -1,8 +1,9 @@
 """fastpar: single-launch data-parallel kernels for PyTorch.
 
-Multi-tensor flatten/unflatten, fused reduce-add, cuDNN-layout RNN packing, and
-drop-ins for ``torch.nn.parallel``'s replicate and DataParallel, on Triton (CUDA) and
-Numba (CPU) kernels.
+Multi-tensor flatten/unflatten, fused reduce-add (:mod:`fastpar.comm`), cuDNN-layout RNN
+packing (:mod:`fastpar.rnn`), and drop-ins for ``torch.nn.parallel``'s replicate and
+DataParallel, on Triton (CUDA) and Numba (CPU) kernels. DDP communication hooks live in
+:mod:`fastpar.ddp` (``import fastpar.ddp``; it needs ``torch.distributed``).
 """
 from __future__ import annotations
 
