@@ -31,14 +31,19 @@ import numpy as np
 import torch
 
 _T = torch.Tensor
+_get_cdata = operator.attrgetter("_cdata")
 _OB_ITEM_OFFSET = 24  # PyListObject: ob_refcnt, ob_type, ob_size, then ob_item
 
 
-def _python_check(tensors: list, ids: np.ndarray, ptrs: list, cached: tuple) -> bool:
-    return all(map(operator.is_, tensors, cached)) and list(map(_T.data_ptr, tensors)) == ptrs
+def _python_check(tensors: list, impls: np.ndarray, ptrs: list, cached: tuple) -> bool:
+    return (all(map(operator.is_, tensors, cached))
+            and np.array_equal(np.fromiter(map(_get_cdata, tensors), np.int64, len(tensors)), impls)
+            and list(map(_T.data_ptr, tensors)) == ptrs)
 
 
-_WORDS = 48  # TensorImpl words read (the fields calibrated lie well within)
+#: TensorImpl words read by the calibration (192 bytes; the object is larger, and the
+#: fields sought lie in its first 21 words on torch 2.x).
+_WORDS = 24
 
 
 def _words(addr: int, n: int) -> np.ndarray:
@@ -50,6 +55,16 @@ def _meta_of(t: torch.Tensor):
     return t.dim(), list(t.shape), list(t.stride()), t.numel()
 
 
+def _impl_word():
+    """Word of a tensor's PyObject holding its TensorImpl pointer (``Tensor._cdata``),
+    read within the object (``__basicsize__``); None unless unambiguous."""
+    probes = [torch.empty(3), torch.nn.Parameter(torch.empty(2)), torch.empty(0, dtype=torch.int64)]
+    pyw = [_words(id(t), type(t).__basicsize__ // 8) for t in probes]
+    n = min(len(p) for p in pyw)
+    cand = [w for w in range(2, n) if all(p[w] == t._cdata for p, t in zip(pyw, probes))]
+    return cand[0] if len(cand) == 1 else None
+
+
 def _calibrate():
     """Offsets (in int64 words) of: the TensorImpl pointer in a tensor's PyObject, and in
     the TensorImpl, ndim (followed by 5 inline sizes and 5 inline strides), numel and
@@ -58,11 +73,9 @@ def _calibrate():
               torch.empty(2, 3, 4, 5, 6, dtype=torch.int32), torch.empty(()), torch.empty(9, 10)[:, ::3],
               torch.empty(19, 2, dtype=torch.bfloat16), torch.empty(23, dtype=torch.int64),
               torch.empty(4, 29, dtype=torch.float16), torch.empty(31, 3, dtype=torch.uint8)]
-    pyw = [_words(id(t), 8) for t in probes]
-    cand = [w for w in range(2, 8) if all(p[w] == t._cdata for p, t in zip(pyw, probes))]
-    if len(cand) != 1:
+    impl_word = _impl_word()
+    if impl_word is None:
         return None
-    impl_word = cand[0]
     impls = [_words(t._cdata, _WORDS) for t in probes]
     metas = [_meta_of(t) for t in probes]
 
@@ -70,7 +83,7 @@ def _calibrate():
         nd, sizes, strides, _ = meta
         return w[k] == nd and list(w[k + 1 : k + 1 + nd]) == sizes and list(w[k + 6 : k + 6 + nd]) == strides
 
-    ks = [k for k in range(2, _WORDS - 20) if all(block_ok(k, w, m) for w, m in zip(impls, metas))]
+    ks = [k for k in range(2, _WORDS - 12) if all(block_ok(k, w, m) for w, m in zip(impls, metas))]
     if len(ks) != 1:
         return None
     k = ks[0]
@@ -105,8 +118,12 @@ def _make_numba_check():
 
     proto = np.empty(0, np.int64)
 
+    impl_word = _impl_word()
+    if impl_word is None:
+        return None
+
     @numba.njit(nogil=False, cache=False)
-    def _same(list_addr, n, ids, ptrs, proto):
+    def _same(list_addr, n, ids, impls, ptrs, proto):
         # Runs with the GIL held: the list cannot change under us.
         header = numba.carray(address_as_pointer(list_addr, proto), (4,))
         if header[2] != n:  # ob_size
@@ -115,19 +132,24 @@ def _make_numba_check():
         for i in range(n):
             if items[i] != ids[i]:
                 return False
-        # Only the very objects the plan validated (and still references) get here,
-        # so each is a live tensor.
+        # The very objects the plan validated (and still references), each still with
+        # the TensorImpl it had then (torch.utils.swap_tensors replaces it): so each is
+        # the dense tensor validated, and asking its data pointer is safe.
+        for i in range(n):
+            obj = numba.carray(address_as_pointer(items[i], proto), (impl_word + 1,))
+            if obj[impl_word] != impls[i]:
+                return False
         for i in range(n):
             if data_ptr_of(items[i]) != ptrs[i]:
                 return False
         return True
 
-    def check(tensors: list, ids: np.ndarray, ptrs_arr: np.ndarray) -> bool:
-        return _same(id(tensors), len(tensors), ids, ptrs_arr, proto)
+    def check(tensors: list, ids: np.ndarray, impls: np.ndarray, ptrs_arr: np.ndarray) -> bool:
+        return _same(id(tensors), len(tensors), ids, impls, ptrs_arr, proto)
 
     layout = _calibrate()
     if layout is not None:
-        impl_word, k, m, d = layout
+        _, k, m, d = layout
 
         @numba.njit(nogil=False, cache=False)
         def _snapshot(list_addr, n, proto):
@@ -151,8 +173,8 @@ def _make_numba_check():
             return out
 
         @numba.njit(nogil=False, cache=False)
-        def _same_meta(list_addr, n, ids, ptrs, meta, proto):
-            if not _same(list_addr, n, ids, ptrs, proto):
+        def _same_meta(list_addr, n, ids, impls, ptrs, meta, proto):
+            if not _same(list_addr, n, ids, impls, ptrs, proto):
                 return False
             header = numba.carray(address_as_pointer(list_addr, proto), (4,))
             items = numba.carray(address_as_pointer(header[3], proto), (n,))
@@ -170,8 +192,8 @@ def _make_numba_check():
         def snapshot(tensors: list):
             return _snapshot(id(tensors), len(tensors), proto)
 
-        def check_meta(tensors: list, ids, ptrs_arr, meta) -> bool:
-            return _same_meta(id(tensors), len(tensors), ids, ptrs_arr, meta, proto)
+        def check_meta(tensors: list, ids, impls, ptrs_arr, meta) -> bool:
+            return _same_meta(id(tensors), len(tensors), ids, impls, ptrs_arr, meta, proto)
 
         # Verify the calibration by mutating metadata in place and reading it back.
         try:
@@ -190,11 +212,12 @@ def _make_numba_check():
                            and list(row[6 : 6 + nd]) == strides and row[11] == numel)
                 ok &= not np.array_equal(before, after)
             ids = np.array([id(t) for t in probe], dtype=np.int64)
+            impls = np.array([t._cdata for t in probe], dtype=np.int64)
             ptrs = np.array([t.data_ptr() for t in probe], dtype=np.int64)
             meta = snapshot(probe)
-            ok = ok and check_meta(probe, ids, ptrs, meta)
+            ok = ok and check_meta(probe, ids, impls, ptrs, meta)
             a.t_()
-            ok = ok and not check_meta(probe, ids, ptrs, meta)
+            ok = ok and not check_meta(probe, ids, impls, ptrs, meta)
         except Exception:
             ok = False
         if ok:
@@ -204,12 +227,13 @@ def _make_numba_check():
     # Self-test against the Python answers before trusting the layout assumptions.
     probe = [torch.zeros(3), torch.ones(2), torch.empty(0)]
     ids = np.array([id(t) for t in probe], dtype=np.int64)
+    impls = np.array([t._cdata for t in probe], dtype=np.int64)
     ptrs = np.array([t.data_ptr() for t in probe], dtype=np.int64)
     try:
-        ok = check(probe, ids, ptrs) and not check(probe[::-1], ids, ptrs)
+        ok = check(probe, ids, impls, ptrs) and not check(probe[::-1], ids, impls, ptrs)
         ptrs_bad = ptrs.copy()
         ptrs_bad[1] += 4
-        ok = ok and not check(probe, ids, ptrs_bad)
+        ok = ok and not check(probe, ids, impls, ptrs_bad)
     except Exception:
         ok = False
     return check if ok else None
@@ -263,9 +287,9 @@ def same_tensors(tensors, plan) -> bool:
     check = _checker()
     lst = tensors if type(tensors) is list else list(tensors)
     if plan.meta is not None:
-        return check.check_meta(lst, plan.ids, plan.ptrs_arr, plan.meta)
+        return check.check_meta(lst, plan.ids, plan.impls, plan.ptrs_arr, plan.meta)
     if check is not None:
-        same = check(lst, plan.ids, plan.ptrs_arr)
+        same = check(lst, plan.ids, plan.impls, plan.ptrs_arr)
     else:
-        same = _python_check(tensors, plan.ids, plan.ptrs, plan.tensors)
+        same = _python_check(tensors, plan.impls, plan.ptrs, plan.tensors)
     return same and plan.guard.check(*tensors)

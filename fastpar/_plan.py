@@ -68,6 +68,9 @@ def check_tensor_list(tensors, name: str) -> tuple:
             f"{name}[{i}] has layout {tup[i].layout}; expected dense tensors (torch.strided). "
             "Sparse tensors are not supported: densify them explicitly if that is what you want."
         )
+    if any(map(operator.attrgetter("is_nested"), tup)):
+        i = _first_index(tup, lambda t: t.is_nested)
+        raise TypeError(f"{name}[{i}] is a nested tensor; fastpar takes dense tensors (torch.strided)")
     devices = set(map(_get_device, tup))
     if len(devices) > 1:
         d0 = tup[0].device
@@ -195,6 +198,8 @@ class Plan:
     #: ``id`` of each tensor and its data pointer, as int64 arrays (for the fast check).
     ids: np.ndarray
     ptrs_arr: np.ndarray
+    #: Each tensor's TensorImpl address (``Tensor._cdata``), int64.
+    impls: np.ndarray
     #: References to ``tensors[0]`` held by the plan itself.
     internal_refs: int = 1
     #: Metadata snapshot for the compiled re-check, or else a C++ guard (``_fastcheck``).
@@ -288,8 +293,9 @@ def _build(tup: tuple, cache: bool = True) -> Plan:
         groups.append(Group(d, device, idx, tuple(tup[i] for i in idx) if len(members) > 1 else tup,
                             addrs[idx], numels[idx], offsets[idx]))
     ids = np.fromiter(map(id, tup), np.int64, n)
+    impls = np.fromiter(map(operator.attrgetter("_cdata"), tup), np.int64, n)
     meta, guard = metadata_snapshot(tup, numels, dtypes) if cache else (None, None)
-    return Plan(tup, device, dtypes, numels, offsets, ptrs, noncontig, groups, spans, ids, addrs,
+    return Plan(tup, device, dtypes, numels, offsets, ptrs, noncontig, groups, spans, ids, addrs, impls,
                 1 if len(groups) == 1 else 2, meta, guard)
 
 

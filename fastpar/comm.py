@@ -326,10 +326,11 @@ def _result_buffers(plan, dst, buffer_size: int):
     """New result tensors for ``plan``'s positions on ``dst``: per dtype group, their
     addresses and the tensors, and all of them in plan order.
 
-    They are views of buffers of at most ``buffer_size`` bytes (a larger tensor gets one
-    of its own), as torch's buckets are: the allocator recycles such blocks from call to
-    call, where one buffer of hundreds of MB would be mapped, and page-faulted, afresh each
-    call (which costs more than the reduction itself on a CPU).
+    They are views of buffers each holding the tensors that start in one ``buffer_size``
+    window (so a buffer exceeds ``buffer_size`` by at most its last tensor), as torch's
+    buckets are small: the allocator recycles such blocks from call to call, where one
+    buffer of hundreds of MB would be mapped, and page-faulted, afresh each call (which
+    costs more than the reduction itself on a CPU).
     """
     result = [None] * len(plan.tensors)
     addrs, per_group = [], []

@@ -330,7 +330,7 @@ def test_fast_plan_check_matches_python():
         (ts[:2] + [torch.randn(0)], False),
     ]:
         assert _fastcheck.same_tensors(candidate, plan) is expected
-        assert _fastcheck._python_check(list(candidate), plan.ids, plan.ptrs, plan.tensors) is expected
+        assert _fastcheck._python_check(list(candidate), plan.impls, plan.ptrs, plan.tensors) is expected
     ts[1].data = torch.randn(5)  # same object, new storage
     assert not _fastcheck.same_tensors(ts, plan)
 
@@ -374,3 +374,21 @@ def test_compiled_metadata_check_is_calibrated_and_used():
     fastpar.flatten(six)
     six[0].t_() if six[0].dim() == 2 else six[0].transpose_(1, 3)
     assert torch.equal(fastpar.flatten(six), six[0].reshape(-1))
+
+
+def test_plan_cache_sees_swapped_tensors_and_rejects_nested():
+    a, b = torch.arange(6.0), torch.arange(3.0)
+    ts = [a, b]
+    fastpar.flatten(ts)
+    torch.utils.swap_tensors(a, torch.zeros(6).to_sparse())  # same object, new TensorImpl
+    with pytest.raises(TypeError, match=r"tensors\[0\] has layout torch.sparse_coo"):
+        fastpar.flatten(ts)
+    e, f = torch.empty(0), torch.arange(3.0)
+    ts = [e, f]
+    fastpar.flatten(ts)
+    torch.utils.swap_tensors(e, torch.empty(0, device="meta"))
+    with pytest.raises(ValueError, match="one device"):
+        fastpar.flatten(ts)
+    nested = torch.nested.nested_tensor([torch.arange(3.0), torch.arange(5.0)])
+    with pytest.raises(TypeError, match=r"tensors\[0\] is a nested tensor"):
+        fastpar.flatten([nested, torch.arange(2.0)])
