@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import warnings
 
-import pytest
 
 warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
 

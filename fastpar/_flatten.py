@@ -178,41 +178,32 @@ def pack_bytes(plan, buf: torch.Tensor, layout) -> None:
     increment_version(buf)
 
 
-def split_views(flat: torch.Tensor, numels, shapes) -> list:
-    """Views of the 1-D ``flat`` with the given numels and shapes, laid end to end.
+def split_views(flat: torch.Tensor, sizes: list, not_1d) -> list:
+    """Views of the 1-D ``flat`` with the given ``sizes``, laid end to end; ``not_1d``
+    lists ``(position, shape)`` for the views that are not 1-D.
 
     ``split_with_sizes`` makes all the views in one call (2-3x faster than
-    ``_unflatten_dense_tensors``); only the tensors that are not 1-D get a ``view``.
+    ``_unflatten_dense_tensors``); only the listed positions get a ``view``.
     """
-    pieces = list(flat.split_with_sizes(numels.tolist()))
-    for i, shape in enumerate(shapes):
-        if len(shape) != 1:
-            pieces[i] = pieces[i].view(shape)
+    pieces = list(flat.split_with_sizes(sizes))
+    for j, shape in not_1d:
+        pieces[j] = pieces[j].view(shape)
     return pieces
 
 
 def byte_views(buf: torch.Tensor, plan, layout) -> list:
     """Views of ``buf`` shaped like ``plan``'s tensors, in the plan's order."""
-    shapes = plan.shapes
+    memo = plan.__dict__.get("_group_views")
+    if memo is None:  # per group: sizes and the non-1-D positions (made once per plan)
+        shapes = plan.shapes
+        memo = plan.__dict__["_group_views"] = [
+            (g.numels.tolist(), [(j, shapes[i]) for j, i in enumerate(g.index.tolist()) if len(shapes[i]) != 1])
+            for g in plan.groups
+        ]
     if len(plan.groups) == 1:
-        g = plan.groups[0]
-        return _split_1d_fast(region(buf, g, layout[0]), plan)
+        return split_views(region(buf, plan.groups[0], layout[0]), *memo[0])
     result = [None] * len(plan.tensors)
-    for g, off in zip(plan.groups, layout):
-        idx = g.index.tolist()
-        views = split_views(region(buf, g, off), g.numels, [shapes[i] for i in idx])
-        for i, v in zip(idx, views):
+    for g, off, (sizes, not_1d) in zip(plan.groups, layout, memo):
+        for i, v in zip(g.index.tolist(), split_views(region(buf, g, off), sizes, not_1d)):
             result[i] = v
     return result
-
-
-def _split_1d_fast(flat: torch.Tensor, plan) -> list:
-    # The common case (one dtype): only the positions that are not 1-D need a view.
-    nd = plan.__dict__.get("_not_1d")
-    if nd is None:
-        nd = plan.__dict__["_not_1d"] = [i for i, s in enumerate(plan.shapes) if len(s) != 1]
-    pieces = list(flat.split_with_sizes(plan.numels.tolist()))
-    shapes = plan.shapes
-    for i in nd:
-        pieces[i] = pieces[i].view(shapes[i])
-    return pieces

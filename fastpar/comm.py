@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 from . import _cuda, _dispatch, _tuning
-from ._flatten import byte_layout, byte_views, flatten, pack_bytes, region
-from ._plan import ReduceGroup, check_tensor_list, plan_for
+from ._flatten import byte_layout, byte_views, flatten, pack_bytes, region, split_views
+from ._plan import ReduceGroup, plan_for
 from ._validate import CAST_DTYPES
 
 __all__ = [
@@ -340,10 +340,7 @@ def _result_buffers(plan, dst, buffer_size: int):
         for lo, hi, numel, local, sizes, not_1d in chunks:
             buf = torch.empty(numel, dtype=g.dtype, device=dst)
             a[lo:hi] = buf.data_ptr() + local
-            pieces = list(buf.split_with_sizes(sizes)) if hi - lo > 1 else [buf]
-            for j, shape in not_1d:
-                pieces[j] = pieces[j].view(shape)
-            views.extend(pieces)
+            views.extend(split_views(buf, sizes, not_1d))
         for i, v in zip(g.index.tolist(), views):
             result[i] = v
         addrs.append(a)

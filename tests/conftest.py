@@ -2,7 +2,6 @@
 generators and output poisoning."""
 from __future__ import annotations
 
-import os
 import warnings
 
 import pytest

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from conftest import FLOAT_DTYPES, HAS_CUDA, TOL, assert_close, poison_, rand
+from conftest import HAS_CUDA, TOL, assert_close, poison_, rand
 
 import fastpar
 from fastpar import comm
