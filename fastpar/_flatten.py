@@ -6,6 +6,7 @@ import torch
 from torch.autograd.graph import increment_version
 
 from . import _dispatch, _tuning
+from ._fastcheck import increment_versions
 from ._plan import plan_for
 from ._validate import check_conversion, check_dtype, check_flat, check_no_overlap, check_scale
 
@@ -140,7 +141,7 @@ def unflatten_into(flat, tensors, *, scale=None) -> None:
         launch(g, flat, scale, **_tuning.params("unflatten_into", backend, flat.dtype, g.dtype, plan.numel))
     for dst, tmp in pending:
         dst.copy_(tmp)
-    increment_version(plan.tensors)
+    increment_versions(plan.tensors, plan.impls)
 
 
 # ---------------------------------------------------------------------------

@@ -251,13 +251,22 @@ class Plan:
         return result
 
     def overlaps(self, t: torch.Tensor) -> int:
-        """Position of the first tensor whose memory overlaps ``t``'s, or -1."""
+        """Position of the first tensor whose memory overlaps ``t``'s, or -1.
+
+        The answer for the last byte range asked is remembered (the plan's spans never
+        change): a training loop asks about the same ``out`` buffer every step, and the
+        vectorised test over 10,000 spans costs about 15 us."""
         if t.device != self.device or t.numel() == 0:
             return -1
         lo = t.data_ptr()
         hi = lo + t.numel() * t.element_size()
+        last = self.__dict__.get("_last_overlap")
+        if last is not None and last[0] == lo and last[1] == hi:
+            return last[2]
         hit = np.nonzero((self.spans[:, 0] < hi) & (self.spans[:, 1] > lo))[0]
-        return int(hit[0]) if len(hit) else -1
+        result = int(hit[0]) if len(hit) else -1
+        self.__dict__["_last_overlap"] = (lo, hi, result)
+        return result
 
 
 def _build(tup: tuple, cache: bool = True) -> Plan:

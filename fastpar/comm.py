@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from . import _cuda, _dispatch, _tuning
+from ._fastcheck import increment_versions
 from ._flatten import byte_layout, byte_views, flatten, pack_bytes, region, split_views
 from ._plan import ReduceGroup, plan_for
 from ._validate import CAST_DTYPES
@@ -317,7 +318,7 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
     if dst.type == "cuda":
         _cuda.release_to(dst, devs)
     if out is not None:
-        torch.autograd.graph.increment_version(out_plan.tensors)
+        increment_versions(out_plan.tensors, out_plan.impls)
         return list(out)
     return result
 

@@ -2,6 +2,7 @@
 references, with poisoned outputs, edge sizes and every accepted dtype."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import ALL_DTYPES, FLOAT_DTYPES, TOL, assert_close, poison_, rand
@@ -335,10 +336,12 @@ def test_fast_plan_check_matches_python():
     assert not _fastcheck.same_tensors(ts, plan)
 
 
-@pytest.mark.parametrize("change", ["t_", "resize_", "as_strided_", "data_view", "requires_grad"])
+@pytest.mark.parametrize(
+    "change", ["t_", "resize_", "as_strided_", "data_view", "requires_grad", "grow", "set_storage", "offset"]
+)
 def test_plan_cache_sees_in_place_metadata_changes(change):
     a = torch.arange(6.0).view(2, 3).clone()
-    b = torch.arange(6.0, 10.0)
+    b = torch.arange(6.0, 11.0)[:4]  # one spare element in its storage
     ts = [a, b]
     fastpar.flatten(ts)
     if change == "t_":
@@ -349,6 +352,12 @@ def test_plan_cache_sees_in_place_metadata_changes(change):
         a.as_strided_((3,), (2,))
     elif change == "data_view":
         a.data = a.data.view(-1)[:2]
+    elif change == "grow":  # same StorageImpl, reallocated data
+        b.resize_(1 << 16).uniform_()
+    elif change == "set_storage":  # another storage, same sizes and strides
+        b.set_(torch.arange(20.0, 24.0).untyped_storage())
+    elif change == "offset":  # same storage, another storage offset
+        b.set_(b.untyped_storage(), 1, (4,), (1,))
     else:
         a.requires_grad_(False)
         b.requires_grad_(True)
@@ -365,6 +374,7 @@ def test_compiled_metadata_check_is_calibrated_and_used():
     from fastpar._plan import plan_for
 
     assert _fastcheck._calibrate() is not None, "TensorImpl calibration failed on this torch"
+    assert _fastcheck._calibrate_storage() is not None, "StorageImpl calibration failed on this torch"
     plan = plan_for([torch.randn(2, 3), torch.randn(4)], "tensors")
     assert plan.meta is not None and plan.guard is None
     # More than 5 dimensions: sizes live out of line, so the C++ guard checks instead.
@@ -374,6 +384,34 @@ def test_compiled_metadata_check_is_calibrated_and_used():
     fastpar.flatten(six)
     six[0].t_() if six[0].dim() == 2 else six[0].transpose_(1, 3)
     assert torch.equal(fastpar.flatten(six), six[0].reshape(-1))
+
+
+def test_compiled_version_bump_matches_torch():
+    from fastpar import _fastcheck
+
+    assert _fastcheck._make_bump() is not None, "version-counter calibration failed on this torch"
+    a, b = torch.zeros(3), torch.zeros(2, requires_grad=True)
+    shared = a.detach()  # shares a's version counter
+    ts = [a, b, shared, a]  # a listed twice: bumped twice, as torch would
+    before = [t._version for t in ts]
+    _fastcheck.increment_versions(ts, np.array([t._cdata for t in ts], dtype=np.int64))
+    assert [t._version for t in ts] == [before[0] + 3, before[1] + 1, before[2] + 3, before[3] + 3]
+    # Inference tensors have no counter: torch's increment_version skips them, and so
+    # does this (bumping every other tensor exactly once).
+    with torch.inference_mode():
+        inf = torch.zeros(2)
+    v = a._version
+    _fastcheck.increment_versions([a, inf], np.array([a._cdata, inf._cdata], dtype=np.int64))
+    assert a._version == v + 1
+
+
+def test_unflatten_into_bumps_versions_so_autograd_sees_the_write():
+    w = torch.randn(4, requires_grad=True)
+    ts = [torch.randn(4) for _ in range(3)]
+    y = (w * ts[1]).sum()  # saves ts[1] for backward
+    fastpar.unflatten_into(torch.randn(12), ts)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
 
 
 def test_plan_cache_sees_swapped_tensors_and_rejects_nested():
