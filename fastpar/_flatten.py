@@ -8,7 +8,13 @@ from torch.autograd.graph import increment_version
 from . import _dispatch, _tuning
 from ._fastcheck import increment_versions
 from ._plan import plan_for
-from ._validate import check_conversion, check_dtype, check_flat, check_no_overlap, check_scale
+from ._validate import (
+    check_conversion,
+    check_dtype,
+    check_flat,
+    check_no_overlap,
+    check_scale,
+)
 
 __all__ = ["flatten", "unflatten", "unflatten_into"]
 
