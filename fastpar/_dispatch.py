@@ -22,6 +22,7 @@ AUTO = {"cuda": "triton", "cpu": "numba"}
 OPS = {
     "flatten": "flatten",
     "unflatten_into": "flatten",
+    "broadcast": "flatten",
     "reduce_add": "reduce_add",
 }
 #: Devices each backend can run on (triton on CPU tensors = the Triton interpreter).

@@ -173,16 +173,21 @@ def region(buf: torch.Tensor, group, byte_offset: int) -> torch.Tensor:
     return buf[byte_offset : byte_offset + group.numel * group.dtype.itemsize].view(group.dtype)
 
 
-def pack_bytes(plan, buf: torch.Tensor, layout) -> None:
-    """Flatten every group of ``plan`` into its region of ``buf``: one launch per group."""
-    if buf.device != plan.device:
-        raise ValueError(f"the byte buffer must be on the tensors' device {plan.device}, got {buf.device}")
-    backend, launch = _dispatch.kernel("flatten", plan.device)
+def pack_bytes(plan, bufs, layout) -> None:
+    """Flatten every group of ``plan`` into its region of each buffer in ``bufs`` (uint8
+    buffers on the tensors' device, or one such buffer) with the ``broadcast`` op: one
+    launch per group, each source read once, large copies streamed past the cache."""
+    bufs = [bufs] if isinstance(bufs, torch.Tensor) else list(bufs)
+    for buf in bufs:
+        if buf.device != plan.device:
+            raise ValueError(f"the byte buffer must be on the tensors' device {plan.device}, got {buf.device}")
     groups, _ = _staged_groups(plan, fill=True)
+    backend, launch = _dispatch.kernel("broadcast", plan.device)
     for g, off in zip(groups, layout):
-        flat = region(buf, g, off)
-        launch(g.local(), flat, None, **_tuning.params("flatten", backend, g.dtype, g.dtype, g.numel))
-    increment_version(buf)
+        # Same chunking knobs as flatten (the same kernel shape).
+        kwargs = _tuning.params("flatten", backend, g.dtype, g.dtype, g.numel * len(bufs))
+        launch(g.local(), [region(b, g, off) for b in bufs], **kwargs)
+    increment_version(bufs)
 
 
 def split_views(flat: torch.Tensor, sizes: list, not_1d) -> list:

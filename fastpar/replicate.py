@@ -75,12 +75,13 @@ class _Placement:
         rnn_positions = {i for _, pos in self.rnn_groups for i in pos}
         rest = [i for i in range(len(tensors)) if i not in rnn_positions]
         rest_copies = self._broadcast([tensors[i] for i in rest])
-        for j, device in enumerate(self.devices[1:], 1):
+        rnn_copies = [self._pack_rnn(m, [tensors[i] for i in pos]) for m, pos in self.rnn_groups]
+        for j in range(1, len(self.devices)):
             copies = [None] * len(tensors)
             for i, c in zip(rest, rest_copies[j - 1]):
                 copies[i] = c
-            for m, pos in self.rnn_groups:
-                for i, v in zip(pos, self._pack_rnn(m, [tensors[i] for i in pos], j, device)):
+            for (_, pos), per_replica in zip(self.rnn_groups, rnn_copies):
+                for i, v in zip(pos, per_replica[j - 1]):
                     copies[i] = v
             result.append(copies)
         return result
@@ -93,11 +94,10 @@ class _Placement:
         layout, nbytes = byte_layout(plan)
         src_dev = self.devices[0]
         if src_dev.type == "cpu":
-            # Host replicas: flatten straight into each replica's buffer (no staging).
+            # Host replicas: flatten straight into each replica's buffer (no staging),
+            # one launch writing every buffer, each source read once.
             bufs = [self.pool.get((self.tag, j), nbytes, d) for j, d in enumerate(self.devices[1:], 1)]
-            pack_bytes(plan, bufs[0], layout)
-            for b in bufs[1:]:
-                b.copy_(bufs[0])
+            pack_bytes(plan, bufs, layout)
         else:
             staging = self.pool.get((self.tag, 0), nbytes, src_dev)
             pack_bytes(plan, staging, layout)
@@ -108,22 +108,29 @@ class _Placement:
                 bufs.append(b)
         return [byte_views(b, plan, layout) for b in bufs]
 
-    def _pack_rnn(self, module, weights, j: int, device: torch.device):
-        """Replica ``j``'s weights of RNN ``module``: views of a buffer in the layout
-        cuDNN wants on ``device``, packed in one launch."""
-        layout = rnn.RNNLayout.for_module(module, device=device)
-        nbytes = layout.numel * layout.dtype.itemsize
-        buf = self.pool.get((self.tag, "rnn", id(module), j), nbytes, device)
-        flat = buf.view(layout.dtype)
-        if weights[0].device == device:
-            rnn.pack(weights, layout, out=flat)
-        else:
-            # Pack on the source in the destination's layout, then one copy.
-            src_layout = rnn.RNNLayout(**{**_layout_fields(layout), "device": weights[0].device})
-            staging = self.pool.get((self.tag, "rnn", id(module), 0), nbytes, weights[0].device)
-            rnn.pack(weights, src_layout, out=staging.view(layout.dtype))
-            buf.copy_(staging, non_blocking=True)
-        return layout.views(flat)
+    def _pack_rnn(self, module, weights) -> list[list[torch.Tensor]]:
+        """For each replica ``j >= 1``, its weights of RNN ``module``: views of a buffer
+        in the layout cuDNN wants on its device. Replicas on the weights' own device
+        (host replicas) are packed together in one launch; each other device gets one
+        launch packing on the source in its layout, then one copy."""
+        src = weights[0].device
+        local, result = [], []
+        for j, device in enumerate(self.devices[1:], 1):
+            layout = rnn.RNNLayout.for_module(module, device=device)
+            buf = self.pool.get((self.tag, "rnn", id(module), j), layout.numel * layout.dtype.itemsize, device)
+            flat = buf.view(layout.dtype)
+            if device == src:
+                local.append(flat)
+            else:
+                # Pack on the source in the destination's layout, then one copy.
+                src_layout = rnn.RNNLayout(**{**_layout_fields(layout), "device": src})
+                staging = self.pool.get((self.tag, "rnn", id(module), 0), buf.numel(), src)
+                rnn.pack(weights, src_layout, out=staging.view(layout.dtype))
+                buf.copy_(staging, non_blocking=True)
+            result.append(layout.views(flat))
+        if local:
+            rnn._pack(weights, rnn.RNNLayout.for_module(module, device=src), local[0], True, local[1:])
+        return result
 
 
 def _layout_fields(layout) -> dict:

@@ -418,7 +418,11 @@ def pack(weights, layout: RNNLayout, *, out=None) -> torch.Tensor:
     return _pack(weights, layout, out, cache=True)
 
 
-def _pack(weights, layout: RNNLayout, out, cache: bool) -> torch.Tensor:
+def _pack(weights, layout: RNNLayout, out, cache: bool, more_outs=()) -> torch.Tensor:
+    """:func:`pack`; with ``more_outs`` (buffers like ``out``, given), the same packing is
+    written into each of them too, in the same launch when no cast is needed (the
+    ``broadcast`` op: each weight read once, large packs written with streaming
+    stores), which is how replicate fills the buffers of several host replicas."""
     if not isinstance(layout, RNNLayout):
         raise TypeError(f"layout must be an RNNLayout, got {type(layout).__name__}")
     plan = plan_for(weights, "weights", cache=cache)
@@ -430,11 +434,15 @@ def _pack(weights, layout: RNNLayout, out, cache: bool) -> torch.Tensor:
     check_conversion(plan.dtypes[0], layout.dtype, None, "pack")
     if out is None:
         out = torch.empty(layout.numel, dtype=layout.dtype, device=layout.device)
+        given = [(f"more_outs[{j}]", t) for j, t in enumerate(more_outs)]
     else:
-        _check_out(out, layout, "out")
-        i = plan.overlaps(out)
+        given = [("out", out)] + [(f"more_outs[{j}]", t) for j, t in enumerate(more_outs)]
+    for name, t in given:
+        _check_out(t, layout, name)
+        i = plan.overlaps(t)
         if i >= 0:
-            raise ValueError(f"out overlaps the memory of weights[{i}] ({layout.names[i]}); it must be a separate buffer")
+            raise ValueError(f"{name} overlaps the memory of weights[{i}] ({layout.names[i]}); it must be a separate buffer")
+    outs = [out, *more_outs]
     groups, _ = _staged_groups(plan, fill=True)
     (g,) = groups
     if cache and g is plan.groups[0]:
@@ -444,9 +452,14 @@ def _pack(weights, layout: RNNLayout, out, cache: bool) -> torch.Tensor:
             packed = per_plan[layout] = _packing_group(g, layout)
     else:  # staged temporaries: a one-off group
         packed = _packing_group(g, layout)
-    backend, launch = _dispatch.kernel("flatten", layout.device)
-    launch(packed, out, None, **_tuning.params("flatten", backend, g.dtype, out.dtype, layout.numel))
-    increment_version(out)
+    if g.dtype == layout.dtype:  # a raw copy: broadcast streams large packs past the cache
+        backend, launch = _dispatch.kernel("broadcast", layout.device)
+        launch(packed, outs, **_tuning.params("flatten", backend, g.dtype, g.dtype, layout.numel * len(outs)))
+    else:
+        backend, launch = _dispatch.kernel("flatten", layout.device)
+        for o in outs:
+            launch(packed, o, None, **_tuning.params("flatten", backend, g.dtype, o.dtype, layout.numel))
+    increment_version(outs)
     return out
 
 

@@ -430,3 +430,25 @@ def test_plan_cache_sees_swapped_tensors_and_rejects_nested():
     nested = torch.nested.nested_tensor([torch.arange(3.0), torch.arange(5.0)])
     with pytest.raises(TypeError, match=r"tensors\[0\] is a nested tensor"):
         fastpar.flatten([nested, torch.arange(2.0)])
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("shapes", ["odd", "big"])
+def test_broadcast_op_writes_every_buffer(backend, dtype, shapes):
+    # The kernel behind replicate's host buffers: every tensor into every buffer, one
+    # launch (Numba). Misaligned destinations, and Numba's streaming path forced on.
+    from fastpar import _dispatch
+    from fastpar._plan import plan_for
+
+    ts = [rand(s, dtype) for s in SHAPE_SETS[shapes]]
+    (g,) = plan_for(ts, "tensors").groups
+    total = sum(t.numel() for t in ts)
+    bufs = [poison_(torch.empty(total + 3, dtype=dtype))[k : k + total] for k in range(3)]
+    _, launch = _dispatch.kernel("broadcast", torch.device("cpu"))
+    kwargs = {"stream_min_bytes": 0, "parallel_min_bytes": 0, "chunk": 4096} if backend == "numba" else {}
+    with fastpar.count_launches() as n:
+        launch(g, bufs, **kwargs)
+    for k, b in enumerate(bufs):
+        assert torch.equal(b, ref_flat(ts)), f"buffer {k} differs"
+    expected = {"numba": 1, "triton": 3, "torch": 0}[backend]  # triton: one per buffer
+    assert n.total == expected

@@ -10,6 +10,8 @@ for bit.
 """
 from __future__ import annotations
 
+import platform
+
 import numba
 import numpy as np
 import torch
@@ -148,3 +150,95 @@ def storage(dtype: torch.dtype, raw: bool):
 def compute_scale(src: torch.dtype, dst: torch.dtype, scale: float):
     """The scale in the compute type: float64 if either side is float64, else float32."""
     return np.float64(scale) if torch.float64 in (src, dst) else np.float32(scale)
+
+
+# ---------------------------------------------------------------------------------------
+# Non-temporal (streaming) stores, for copies far larger than the caches: a normal store
+# first reads the destination line into cache (read-for-ownership), so a copy moves three
+# bytes per byte copied; a streaming store writes the line without reading it. Measured
+# here on 177 MB copied to 3 destinations: 16-23 ms streaming vs 26-35 ms for three
+# ``copy_`` calls. x86-64 only (``movntdq``/``vmovntdq``); elsewhere plain stores.
+
+#: Streaming stores are used on this machine.
+HAS_STREAM = platform.machine().lower() in ("x86_64", "amd64")
+#: Copies shorter than this use plain stores: a partly written line would be flushed
+#: from the write-combining buffer as a slow partial write, and small copies are
+#: better left in cache for whoever reads them next.
+STREAM_MIN_BYTES = 4096
+
+
+@intrinsic
+def _stream_32(typingctx, dst, src):
+    """Copy 32 bytes from address ``src`` (any alignment) to address ``dst`` (32-byte
+    aligned) with a non-temporal store."""
+    sig = types.void(types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        vec = ir.VectorType(ir.IntType(64), 4)
+        v = builder.load(builder.inttoptr(args[1], vec.as_pointer()), align=1)
+        st = builder.store(v, builder.inttoptr(args[0], vec.as_pointer()), align=32)
+        st.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _store_fence(typingctx):
+    """``sfence``: streaming stores are weakly ordered; this makes them visible before
+    anything the thread does next (e.g. signalling the end of a parallel region)."""
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):
+        name = "llvm.x86.sse.sfence"
+        fn = builder.module.globals.get(name) or ir.Function(builder.module, ir.FunctionType(ir.VoidType(), []), name)
+        builder.call(fn, [])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_U8 = np.empty(0, np.uint8)
+
+
+if HAS_STREAM:
+
+    @numba.njit(nogil=True)
+    def copy_bytes(dst, src, n, stream):
+        """Copy ``n`` bytes from address ``src`` to address ``dst`` (non-overlapping);
+        with ``stream``, the 32-byte-aligned body of a copy of at least
+        ``STREAM_MIN_BYTES`` is written with streaming stores (then ``store_fence``)."""
+        d = numba.carray(address_as_pointer(dst, _U8), (n,))
+        s = numba.carray(address_as_pointer(src, _U8), (n,))
+        if not stream or n < STREAM_MIN_BYTES:
+            for i in range(np.uint64(n)):
+                d[i] = s[i]
+            return
+        head = (-dst) & 31
+        end = head + ((n - head) & ~31)
+        for i in range(np.uint64(head)):
+            d[i] = s[i]
+        i = head
+        while i < end:
+            _stream_32(dst + i, src + i)
+            i += 32
+        for j in range(np.uint64(end), np.uint64(n)):
+            d[j] = s[j]
+
+    @numba.njit(nogil=True)
+    def store_fence():
+        _store_fence()
+
+else:
+
+    @numba.njit(nogil=True)
+    def copy_bytes(dst, src, n, stream):
+        """Copy ``n`` bytes from address ``src`` to address ``dst`` (non-overlapping)."""
+        d = numba.carray(address_as_pointer(dst, _U8), (n,))
+        s = numba.carray(address_as_pointer(src, _U8), (n,))
+        for i in range(np.uint64(n)):
+            d[i] = s[i]
+
+    @numba.njit(nogil=True)
+    def store_fence():
+        pass

@@ -1,4 +1,5 @@
-"""Numba multi-tensor copy: flatten (tensors -> flat) and unflatten_into (flat -> tensors).
+"""Numba multi-tensor copy: flatten (tensors -> flat), unflatten_into (flat -> tensors)
+and broadcast (tensors -> several flat buffers).
 
 One launch per dtype group: a ``prange`` over the group's chunk map, each iteration
 copying up to ``chunk`` elements of one tensor, cast and optionally scaled on the way.
@@ -20,6 +21,9 @@ DEFAULT_CHUNK = 65536
 #: more than it saves, and on a busy machine a parallel region can wait a whole
 #: scheduler quantum (~4-8 ms) for a descheduled worker.
 DEFAULT_PARALLEL_MIN_BYTES = 4 << 20
+#: ``broadcast`` calls writing at least this many bytes (half this machine's L3) use
+#: streaming stores.
+DEFAULT_STREAM_MIN_BYTES = 16 << 20
 
 
 @functools.cache
@@ -97,3 +101,59 @@ def unflatten_into(group, flat: torch.Tensor, scale: float | None, *, chunk: int
     """Copy ``flat[offset : offset + numel]`` into every tensor of ``group``, cast to
     the group's dtype and multiplied by ``scale`` when given. One launch."""
     _launch_copy(group, flat, flat.dtype, scale, False, chunk, parallel_min_bytes)
+
+
+@functools.cache
+def _broadcast_kernel_for(parallel: bool):
+    @numba.njit(parallel=parallel, nogil=True)
+    def _broadcast_kernel(
+        addrs,  # int64[N]: address of each tensor's first element
+        numels,  # int64[N]: elements per tensor
+        offsets,  # int64[N]: element offset of each tensor in every flat buffer
+        block_tensor,  # int32[B]: tensor (position in this group) each block copies
+        block_start,  # int64[B]: first element of the tensor this block copies
+        chunk,  # elements per block
+        flat_addrs,  # int64[D]: address of each destination flat buffer's first element
+        itemsize,  # bytes per element (a raw copy: the bits move unchanged)
+        stream,  # write pieces of STREAM_MIN_BYTES or more with streaming stores
+    ):
+        """Block ``b`` copies its piece of one tensor into all D buffers: the piece is
+        read from memory once and from L2 for the other D - 1 copies, and large pieces
+        are written with streaming stores (``_common.copy_bytes``), so D copies of S
+        bytes move S + D * S bytes instead of the 3 * D * S of D separate ``copy_``s."""
+        for b in numba.prange(block_tensor.shape[0]):
+            t = block_tensor[b]
+            lo = block_start[b]
+            nbytes = min(chunk, numels[t] - lo) * itemsize
+            src = addrs[t] + lo * itemsize
+            dst_off = (offsets[t] + lo) * itemsize
+            for k in range(flat_addrs.shape[0]):
+                C.copy_bytes(flat_addrs[k] + dst_off, src, nbytes, stream)
+            if stream:
+                C.store_fence()  # before this worker reports the block done
+
+    return _broadcast_kernel
+
+
+def broadcast(group, outs: list, *, chunk: int = DEFAULT_CHUNK,
+              parallel_min_bytes: int = DEFAULT_PARALLEL_MIN_BYTES,
+              stream_min_bytes: int = DEFAULT_STREAM_MIN_BYTES) -> None:
+    """Copy every tensor of ``group`` into ``out[offset : offset + numel]`` of every
+    ``out`` in ``outs`` (contiguous, of the group's dtype, none overlapping the group).
+    One launch, whatever the number of tensors and buffers. When the call writes at
+    least ``stream_min_bytes``, it writes with streaming stores (where the CPU has
+    them): the buffers would not stay in cache anyway, and skipping the
+    read-for-ownership of every destination line saves a third of the traffic."""
+    if not outs:
+        return
+    block_tensor, block_start = group.blocks(chunk)
+    if len(block_tensor) == 0:
+        return
+    itemsize = group.dtype.itemsize
+    parallel = group.numel * itemsize * (1 + len(outs)) >= parallel_min_bytes
+    _broadcast_kernel_for(parallel)(
+        group.addrs, group.numels, group.offsets, block_tensor, block_start, chunk,
+        np.array([o.data_ptr() for o in outs], dtype=np.int64), itemsize,
+        group.numel * itemsize * len(outs) >= stream_min_bytes,
+    )
+    _launch.launches.record("numba", "broadcast")

@@ -26,3 +26,8 @@ def flatten(group, out: torch.Tensor, scale: float | None) -> None:
 def unflatten_into(group, flat: torch.Tensor, scale: float | None) -> None:
     for t, piece in _pieces(group, flat):
         t.copy_(_scaled(piece, t.dtype, scale))
+
+
+def broadcast(group, outs: list) -> None:
+    for out in outs:
+        flatten(group, out, None)

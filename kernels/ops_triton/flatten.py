@@ -133,3 +133,12 @@ def unflatten_into(group, flat: torch.Tensor, scale: float | None, *, block: int
     """Copy ``flat[offset : offset + numel]`` into every tensor of ``group``, cast to
     the group's dtype and multiplied by ``scale`` when given. One launch."""
     _launch_copy(group, flat, scale, False, block, num_warps)
+
+
+def broadcast(group, outs: list, *, block: int = DEFAULT_BLOCK, num_warps: int = DEFAULT_NUM_WARPS) -> None:
+    """Copy every tensor of ``group`` into ``out[offset : offset + numel]`` of every
+    ``out`` in ``outs``: one flatten launch per buffer. (On CUDA, fastpar's broadcast
+    packs once on the source and copies the buffer to each device, so this serves only
+    buffers on the tensors' own device, e.g. host replicas under the interpreter.)"""
+    for out in outs:
+        _launch_copy(group, out, None, True, block, num_warps)
