@@ -7,6 +7,9 @@
   best one-pass torch spelling (``torch.mul(bucket, 0.5, out=low)``, which no torch hook
   uses); ``copy_`` is a plain casting copy into a touched buffer, the bandwidth ceiling.
   Target: fastpar >= 2x torch.
+* The allreduce hook's scaling pass alone, same buckets: fastpar's in-place Numba pass
+  vs ``bucket.div_(2)`` (torch's ``allreduce_hook``) and ``bucket.mul_(0.5)``. Target:
+  fastpar >= 1x torch.
 * One DDP training step on two gloo processes (one core each), fastpar's hook vs
   torch's: ``allreduce_hook``, ``fp16_compress_hook`` and the bf16 compress logic (torch's
   ``bf16_compress_hook`` refuses gloo, so its body runs under another name). Target:
@@ -67,6 +70,29 @@ def test_compress_pass(benchmark, bucket, dtype, provider):
         ref = (buf * (1.0 / WORLD)).to(dtype)
         assert torch.equal(low, ref), "the benchmarked pass computes the wrong values"
     measure(benchmark, fn, buf.numel() * (4 + dtype.itemsize), rounds=15 if mb < 100 else 8)
+
+
+@pytest.mark.parametrize("provider", ["fastpar", "torch", "torch_mul_"])
+def test_allreduce_scale_pass(benchmark, bucket, provider):
+    """The allreduce hook's pass alone: the bucket divided by the world size in place.
+    ``fastpar`` is the hook's Numba pass (its resolved launch for this bucket), ``torch``
+    what torch's ``allreduce_hook`` does (``bucket.div_(2)``), ``torch_mul_`` the
+    ``bucket.mul_(0.5)`` fastpar's hook took before. Target: fastpar >= 1x torch."""
+    mb, src = bucket
+    benchmark.group = f"allreduce scale pass fp32 /{WORLD} in place: {mb} MB bucket"
+    buf = src.clone()  # scaled in place every round: the shared bucket stays untouched
+    if provider == "fastpar":
+        entry = fddp._Bucket(buf)
+        fn = lambda: fddp._launch("scale", entry, buf, buf, 1.0 / WORLD)
+        # One pass, checked against torch's division (then ~20 more halvings while timed:
+        # no value gets near the subnormal range).
+        fn()
+        assert torch.equal(buf, src / WORLD), "the benchmarked pass computes the wrong values"
+    elif provider == "torch":
+        fn = lambda: buf.div_(WORLD)
+    else:
+        fn = lambda: buf.mul_(1.0 / WORLD)
+    measure(benchmark, fn, buf.numel() * 4 * 2, rounds=15 if mb < 100 else 8)
 
 
 # ---------------------------------------------------------------------------------------

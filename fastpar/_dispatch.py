@@ -24,6 +24,7 @@ OPS = {
     "unflatten_into": "flatten",
     "broadcast": "flatten",
     "reduce_add": "reduce_add",
+    "scale": "scale",
 }
 #: Devices each backend can run on (triton on CPU tensors = the Triton interpreter).
 RUNS_ON = {"triton": {"cuda", "cpu"}, "numba": {"cpu"}, "torch": None}

@@ -4,8 +4,8 @@ fastpar brings no transport of its own here: the hooks plug fastpar's fused kern
 ``DistributedDataParallel`` (gloo on CPU, NCCL on GPU) and let ``torch.distributed`` move
 the bytes.
 
-* :func:`allreduce_hook`: torch's ``allreduce_hook``, the division by the world size a
-  multiplication (a fastpar pass on CUDA) where that is exact; results equal to torch's.
+* :func:`allreduce_hook`: torch's ``allreduce_hook``, the division by the world size one
+  fastpar pass over the bucket in place; results bitwise equal to torch's.
 * :func:`compress_hook` (and :data:`bf16_compress_hook`, :data:`fp16_compress_hook`):
   one fused pass scales by ``1 / world_size`` and casts the bucket into a persistent
   low-precision buffer, the all-reduce runs on that buffer, and one fused pass casts the
@@ -175,10 +175,11 @@ _cpu_lock = threading.Lock()
 
 class _Bucket:
     """What the passes over one bucket buffer reuse across steps: the launch group (its
-    address, numel and chunk maps, and on CUDA its pointer table in device memory) and
-    the low-precision buffers the compress hooks reduce in."""
+    address, numel and chunk maps, and on CUDA its pointer table in device memory), the
+    low-precision buffers the compress hooks reduce in, and each pass resolved to a
+    ready launch (see :func:`_launch`)."""
 
-    __slots__ = ("alive", "group", "low")
+    __slots__ = ("alive", "device", "group", "low", "on_cpu", "passes")
 
     def __init__(self, buf: torch.Tensor) -> None:
         self.alive = StorageWeakRef(buf.untyped_storage())
@@ -188,6 +189,11 @@ class _Bucket:
         # Triton launchers need only the address, which the cache key pins.
         self.group = Group(g.dtype, g.device, g.index, (), g.addrs, g.numels, g.offsets)
         self.low: dict = {}
+        #: (op, flat address, flat dtype, scale, divide) -> _Pass.
+        self.passes: dict = {}
+        # Read per pass; from the tensor they cost more than the rest of the lookup.
+        self.device = buf.device
+        self.on_cpu = buf.device.type == "cpu"
 
 
 class _BucketCache:
@@ -223,24 +229,102 @@ class _BucketCache:
 _buckets = _BucketCache()
 
 
-def _launch(op: str, entry: _Bucket, bucket_buf: torch.Tensor, flat: torch.Tensor, scale) -> None:
+#: Bytes read + written from which a Numba pass over a bucket runs on every thread. A
+#: bucket is one contiguous tensor that autograd has just written, hot in cache, where
+#: two threads pay off far earlier than for the many cold tensors flatten's default
+#: (4 MiB) and its tuning are measured on: on 2 cores, a 1 MiB float32 bucket cast to
+#: bfloat16 takes 14 us on two threads against 23 us on one, and ``Tensor.to`` and
+#: ``Tensor.mul_`` use both threads at that size too.
+_BUCKET_PARALLEL_MIN_BYTES = 1 << 20
+
+
+class _Pass:
+    """One pass over one bucket, resolved once: the backend and tuned launch parameters
+    it was resolved for, and ``run(bucket_buf, flat)`` that launches it (None: an empty
+    bucket, nothing to launch)."""
+
+    __slots__ = ("backend", "run", "tuned")
+
+    def __init__(self, backend: str, tuned: dict, run) -> None:
+        self.backend = backend
+        self.tuned = tuned
+        self.run = run
+
+
+def _bind_numba(op: str, group: Group, flat: torch.Tensor, scale, divide: bool, tuned: dict):
+    """The Numba launch of ``op`` with every argument resolved, as a callable taking no
+    arguments (None: an empty bucket, nothing to launch).
+
+    The launchers' Python costs several microseconds a call, a good part of a pass over
+    a 1 MB bucket; bound once, a step pays only the kernel call."""
+    if op == "scale":
+        from .kernels.ops_numba import scale as numba_scale
+
+        return numba_scale.bind(
+            group, scale, divide, chunk=tuned.get("chunk", numba_scale.DEFAULT_CHUNK),
+            parallel_min_bytes=_BUCKET_PARALLEL_MIN_BYTES,
+        )
+    from .kernels.ops_numba import flatten as numba_flatten
+
+    return numba_flatten.bind_copy(
+        group, flat, scale, op == "flatten", chunk=tuned.get("chunk", numba_flatten.DEFAULT_CHUNK),
+        parallel_min_bytes=_BUCKET_PARALLEL_MIN_BYTES,
+    )
+
+
+def _launch(op: str, entry: _Bucket, bucket_buf: torch.Tensor, flat: torch.Tensor, scale,
+            divide: bool = False) -> None:
     """One fastpar pass between ``bucket_buf`` (the group side) and ``flat``: ``flatten``
-    writes ``flat`` from the bucket, ``unflatten_into`` writes the bucket from ``flat``;
-    ``flat`` may be the bucket itself (an in-place scale: every element is read and
-    written by the same program, so exact aliasing is safe)."""
-    backend, launch = _dispatch.kernel(op, bucket_buf.device)
-    group = entry.group
-    if backend == "torch":
-        # The reference backend copies through the tensors themselves.
-        group = plan_for([bucket_buf], "bucket", cache=False).groups[0]
-    src, dst = (bucket_buf, flat) if op == "flatten" else (flat, bucket_buf)
-    kwargs = _tuning.params(op, backend, src.dtype, dst.dtype, bucket_buf.numel())
-    if bucket_buf.device.type == "cpu":
-        with _cpu_lock:
-            launch(group, flat, scale, **kwargs)
+    writes ``flat`` from the bucket, ``unflatten_into`` writes the bucket from ``flat``,
+    ``scale`` multiplies the bucket in place by ``scale`` (divides by it if ``divide``;
+    ``flat`` is then the bucket itself).
+
+    The launch is resolved once per bucket and pass and reused every step: the backend
+    and the tuned parameters are still looked up per call (a ``FASTPAR_BACKEND`` or
+    :func:`fastpar.use_backend` change, a re-read or forced tuning table, takes effect
+    at the next call), and the launch is resolved again when either changed."""
+    backend = _dispatch.backend_for(entry.device)
+    if op == "flatten":
+        src_dtype, dst_dtype = bucket_buf.dtype, flat.dtype
     else:
-        launch(group, flat, scale, **kwargs)
-    increment_version(dst)
+        src_dtype, dst_dtype = flat.dtype, bucket_buf.dtype
+    # The same dict object while the tuning table is unchanged (see _tuning.params).
+    tuned = _tuning.params(op, backend, src_dtype, dst_dtype, bucket_buf.numel())
+    key = (op, flat.data_ptr(), flat.dtype, scale, divide)
+    p = entry.passes.get(key)
+    if p is None or p.backend != backend or p.tuned is not tuned:
+        p = entry.passes[key] = _Pass(backend, tuned, _bind(op, backend, entry, flat, scale, divide, tuned))
+    if p.run is not None:
+        if entry.on_cpu:
+            with _cpu_lock:
+                p.run(bucket_buf, flat)
+        else:
+            p.run(bucket_buf, flat)
+    increment_version(bucket_buf if op != "flatten" else flat)
+
+
+def _bind(op: str, backend: str, entry: _Bucket, flat: torch.Tensor, scale, divide: bool, tuned: dict):
+    """``run(bucket_buf, flat)`` for one pass on ``backend``; None when there is nothing
+    to launch. It holds no tensor (a pass is cached with its bucket entry, which must not
+    keep the bucket alive): the Numba launch needs only addresses, which the cache key
+    pins, and the other backends get the tensors per call."""
+    if backend == "numba":
+        bound = _bind_numba(op, entry.group, flat, scale, divide, tuned)
+        return None if bound is None else lambda bucket_buf, flat: bound()
+    launch = _dispatch._kernel(backend, op)
+    if backend == "torch":
+        # The reference backend computes on the tensors themselves: a group holding the
+        # bucket, made per call.
+        def group_of(bucket_buf):
+            return plan_for([bucket_buf], "bucket", cache=False).groups[0]
+    else:
+        group = entry.group
+
+        def group_of(bucket_buf):
+            return group
+    if op == "scale":
+        return lambda bucket_buf, flat: launch(group_of(bucket_buf), scale, divide, **tuned)
+    return lambda bucket_buf, flat: launch(group_of(bucket_buf), flat, scale, **tuned)
 
 
 def _power_of_two(n: int) -> bool:
@@ -263,16 +347,23 @@ def allreduce_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch
     (sum) in place, and the future holds the bucket buffer itself (so with
     ``gradient_as_bucket_view=True`` DDP copies nothing back).
 
-    The division is a multiplication by ``1 / world_size``, which for a power-of-two
-    world size is exactly torch's quotient, so results are bitwise equal to torch's
-    ``allreduce_hook``. On CUDA it is a fastpar (Triton) pass over the bucket in place. On
-    CPU it is torch's own in-place ``mul_``: fastpar's Numba kernel reading and writing the
-    same buffer cannot be vectorized (LLVM cannot prove source and destination disjoint)
-    and runs at about half of ``mul_``'s speed, and there is nothing to fuse with.
-    For other world sizes ``x * (1 / n)`` and ``x / n`` differ in the last bit for about a
-    third of float32 values (torch divides exactly on CPU), so the hook divides with
-    ``Tensor.div_``, still one pass, and stays bitwise equal. Sparse buckets take the
-    same ``div_`` path.
+    The division is one fastpar pass over the bucket in place (``scale``: Numba on CPU,
+    Triton on CUDA), with results bitwise equal to torch's ``allreduce_hook``:
+
+    * for a power-of-two world size it multiplies by ``1 / world_size``, which is then
+      exactly torch's quotient;
+    * for other world sizes ``x * (1 / n)`` and ``x / n`` differ in the last bit for
+      about a third of float32 values, so on CPU the pass divides, correctly rounded, as
+      torch's ``Tensor.div_`` does there; on CUDA, where torch's ``div_`` multiplies by a
+      float32 reciprocal instead, the hook calls ``Tensor.div_`` itself.
+
+    On CPU the pass reads and writes through one pointer, so its loop vectorises, and it
+    runs on every core from 1 MiB buckets up: faster than torch's ``Tensor.div_`` (the
+    hook's own division) and about as fast as ``Tensor.mul_`` (measured on 2 cores,
+    ``benchmarks/test_bench_ddp.py::test_allreduce_scale_pass``). 16- and 64-bit floats
+    are scaled in float32 and float64, rounding once, as torch does (a bfloat16 NaN may
+    come out with other payload bits than torch's, which itself varies them). Sparse
+    buckets and other dtypes go to ``Tensor.div_``.
 
     Args:
         state (ProcessGroup or None): the group to average over; None means the default
@@ -292,12 +383,14 @@ def allreduce_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch
     _check_once(group, buf, buf.dtype, "allreduce_hook")
     n = group.size()
     if n > 1:
-        if not (_power_of_two(n) and buf.layout == torch.strided and buf.dtype in FLOAT_DTYPES):
+        if buf.layout != torch.strided or buf.dtype not in FLOAT_DTYPES:
             buf.div_(n)
-        elif _dispatch.backend_for(buf.device) == "numba":
-            buf.mul_(1.0 / n)
+        elif _power_of_two(n):
+            _launch("scale", _buckets.get(buf), buf, buf, 1.0 / n)
+        elif buf.device.type == "cpu":
+            _launch("scale", _buckets.get(buf), buf, buf, float(n), divide=True)
         else:
-            _launch("flatten", _buckets.get(buf), buf, buf, 1.0 / n)
+            buf.div_(n)  # CUDA: torch multiplies by a float32 reciprocal (see above)
     return dist.all_reduce(buf, group=group, async_op=True).get_future().then(_value)
 
 

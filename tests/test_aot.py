@@ -60,3 +60,36 @@ def test_reduce_other_dtypes_compile(cc, dtype):
     assert ".entry" in ptx and "ld.global.v" in ptx
     if dtype in (torch.float16, torch.bfloat16):
         assert "add.f32" in ptx or "add.rn.f32" in ptx, "16-bit sources accumulate in fp32"
+
+
+def _compile_scale(cc, dtype, divide, aligned=True):
+    """PTX of the in-place scale kernel as its launcher configures it."""
+    from fastpar.kernels.ops_triton import scale as S
+
+    cx = S.scale_constexprs(dtype, divide, aligned, S.DEFAULT_BLOCK)
+    signature = {"table": "*i64", "n_tensors": "i64", "factor": "fp64"}
+    return aot.compile_kernel(S._scale_kernel, signature, cx, cc, aligned_args=("table",)).asm["ptx"]
+
+
+@pytest.mark.parametrize("cc", CCS)
+def test_scale_fp32_aligned_uses_128bit_vectors(cc):
+    ptx = _compile_scale(cc, torch.float32, divide=False)
+    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
+    assert "mul.f32" in ptx or "mul.rn.f32" in ptx
+
+
+@pytest.mark.parametrize("cc", CCS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_scale_divides_correctly_rounded(cc, dtype):
+    # torch's CPU div_ is the IEEE quotient; fp32 ``/`` in Triton is div.full.f32
+    # (approximate), so the kernel must ask for div.rn.
+    ptx = _compile_scale(cc, dtype, divide=True)
+    assert "div.rn.f32" in ptx, "expected a correctly rounded fp32 division"
+    assert "div.full.f32" not in ptx and "div.approx" not in ptx
+
+
+@pytest.mark.parametrize("cc", CCS)
+def test_scale_other_configs_compile(cc):
+    assert "div.rn.f64" in _compile_scale(cc, torch.float64, divide=True)
+    ptx = _compile_scale(cc, torch.float32, divide=False, aligned=False)
+    assert ".entry" in ptx and "ld.global.v4" not in ptx

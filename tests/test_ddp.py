@@ -213,8 +213,8 @@ SCENARIOS = {
     "allreduce/tiny_buckets+empty": ("fastpar_allreduce", "torch_allreduce",
                                      {"model": {"empty": True}, "ddp": {"bucket_cap_mb": 1e-5}}, "exact"),
     "allreduce/one_tensor": ("fastpar_allreduce", "torch_allreduce", {"model": {"single": True}}, "exact"),
-    # On CPU the allreduce hook scales with torch's mul_ (see its docstring); the fastpar
-    # in-place pass it takes on CUDA runs here through the Triton interpreter.
+    # The allreduce hook's in-place scale pass: Numba on CPU (above), and the Triton
+    # kernel it runs on CUDA, here through the Triton interpreter.
     "allreduce/triton_pass+tiny+empty": ("fastpar_allreduce", "torch_allreduce",
                                          {"model": {"empty": True}, "ddp": {"bucket_cap_mb": 1e-5},
                                           "backend": "triton"}, "exact"),
@@ -391,10 +391,9 @@ def test_tiny_buckets_and_empty_bucket(trained, scenario):
     assert len(res["buckets"][0]) == 1, res["buckets"][0]
     assert len(last) == len(list(Net(empty=True).parameters())), f"one bucket per parameter expected, got {last}"
     assert any(numel == 0 for _, numel, _ in last), f"no empty bucket reached the hook: {last}"
-    # Two fused passes per non-empty bucket for a compress hook, one for the allreduce
-    # hook's Triton pass (none on CPU's auto backend, which scales with torch's mul_),
-    # none for the empty bucket.
-    passes = {"allreduce/tiny_buckets+empty": 0, "allreduce/triton_pass+tiny+empty": 1}.get(scenario, 2)
+    # Two fused passes per non-empty bucket for a compress hook, one (the in-place scale)
+    # for the allreduce hook, none for the empty bucket.
+    passes = 1 if scenario.startswith("allreduce") else 2
     for step, (seen, n) in enumerate(zip(res["buckets"], res["launches"])):
         assert n == passes * sum(1 for _, numel, _ in seen if numel), f"step {step}: {n} launches for buckets {seen}"
 
@@ -402,7 +401,7 @@ def test_tiny_buckets_and_empty_bucket(trained, scenario):
 def test_one_tensor_bucket(trained):
     res = trained[0]["allreduce/one_tensor"]["fastpar"]
     assert all(seen == [(0, 64, 1)] for seen in res["buckets"]), res["buckets"]
-    assert res["launches"] == [0] * STEPS  # CPU: torch's mul_ scales (see allreduce_hook)
+    assert res["launches"] == [1] * STEPS  # the in-place scale pass
     res = trained[0]["bf16/bucket_view+one_tensor"]["fastpar"]
     assert res["launches"] == [2] * STEPS
 
@@ -686,3 +685,221 @@ def test_compress_hook_single_rank_share(monkeypatch, wire, n):
     assert launches.total == 2
     if n == 2:  # a power of two: exactly the correctly rounded share
         assert torch.equal(got, (x.double() / n).float().to(wire).float())
+
+
+# ---------------------------------------------------------------------------------------
+# The in-place scale op the allreduce hook runs, and the resolved passes.
+
+SCALE_SIZES = [0, 1, 7, 65536 + 3, 131072]
+
+
+def _specials(dtype):
+    """Values whose bits a careless pass would change: signed zeros, infinities, a NaN,
+    float32 subnormals (flushed by a kernel compiled with fast-math), 16-bit overflow."""
+    return torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-40, -3e-39,
+                         70000.0, 1.0, -3.0], dtype=torch.float32).to(dtype)
+
+
+def _poisoned_views(sizes, dtype, seed, gap=5, poison=-7.0):
+    """Tensors of ``sizes`` as slices of one buffer filled with ``poison``, ``gap``
+    elements apart: whatever a kernel writes outside them stays visible."""
+    total = sum(sizes) + gap * (len(sizes) + 1)
+    store = torch.full((total,), poison, dtype=dtype)
+    gen = torch.Generator().manual_seed(seed)
+    views, pos = [], gap
+    for n in sizes:
+        v = store[pos:pos + n]
+        v.copy_((torch.randn(n, generator=gen, dtype=torch.float64) * 4).to(dtype))
+        if n >= 10:
+            v[:10] = _specials(dtype)
+        views.append(v)
+        pos += n + gap
+    return store, views
+
+
+def _bits(t):
+    return t.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def _same_bits(a, b) -> bool:
+    """Bit for bit equal, except that any NaN matches any NaN: torch itself turns a
+    bfloat16 NaN into 0x7FC0 on its scalar path and into 0xFFFF on its vectorised one."""
+    nan = torch.isnan(a)
+    return torch.equal(nan, torch.isnan(b)) and torch.equal(_bits(a)[~nan], _bits(b)[~nan])
+
+
+@pytest.mark.parametrize("launch_kw", [{}, {"chunk": 1000, "parallel_min_bytes": 0}], ids=["default", "chunked_parallel"])
+@pytest.mark.parametrize("factor, divide", [(0.5, False), (0.125, False), (3.0, True), (6.0, True), (2.0, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+def test_numba_scale_kernel_against_float64_and_torch(dtype, factor, divide, launch_kw):
+    from fastpar.kernels.ops_numba import scale as numba_scale
+
+    from fastpar._plan import plan_for
+
+    for sizes in [SCALE_SIZES, *([n] for n in SCALE_SIZES)]:
+        store, views = _poisoned_views(sizes, dtype, seed=len(sizes) + int(factor))
+        before = store.clone()
+        group = plan_for(views, "t", cache=False).groups[0]
+        with fastpar.count_launches() as launches:
+            numba_scale.scale(group, factor, divide, **launch_kw)
+        assert launches.total == (1 if sum(sizes) else 0)
+        # Poison between and around the tensors untouched.
+        inside = torch.zeros(len(store), dtype=torch.bool)
+        for v in views:
+            inside[v.storage_offset():v.storage_offset() + v.numel()] = True
+        assert torch.equal(_bits(store[~inside]), _bits(before[~inside])), "wrote outside the tensors"
+        for v, x in zip(views, (before[v.storage_offset():v.storage_offset() + v.numel()] for v in views)):
+            # float64 reference: exact for a float32 product, and a float64 quotient
+            # rounded to float32 is the correctly rounded float32 quotient (53 >= 2*24+2);
+            # 16-bit floats then round from that float32, as torch does.
+            x64 = x.double()
+            exact = x64 / factor if divide else x64 * factor
+            ref = exact if dtype == torch.float64 else exact.float().to(dtype)
+            finite = torch.isfinite(x) & ~torch.isnan(x)
+            assert torch.equal(v[finite], ref[finite]), f"sizes {sizes}: differs from the float64 reference"
+            # and bit for bit what torch's in-place op leaves, specials included
+            mine = x.clone()
+            (mine.div_(factor) if divide else mine.mul_(factor))
+            assert _same_bits(v, mine), f"sizes {sizes}: differs from torch's {'div_' if divide else 'mul_'}"
+
+
+@pytest.mark.parametrize("be", ["triton", "torch"])
+@pytest.mark.parametrize("factor, divide", [(0.25, False), (3.0, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+def test_scale_other_backends_match_torch(be, dtype, factor, divide):
+    # The same op in the Triton kernel (through the interpreter here) and the reference.
+    from fastpar import _dispatch
+    from fastpar._plan import plan_for
+
+    store, views = _poisoned_views([0, 1, 7, 4099], dtype, seed=3)
+    before = store.clone()
+    _dispatch._kernel(be, "scale")(plan_for(views, "t", cache=False).groups[0], factor, divide)
+    exp = before.clone()
+    for v in views:
+        piece = exp[v.storage_offset():v.storage_offset() + v.numel()]
+        piece.div_(factor) if divide else piece.mul_(factor)
+    assert _same_bits(store, exp)
+
+
+def test_scale_rejects_other_dtypes():
+    from fastpar.kernels.ops_numba import scale as numba_scale
+    from fastpar.kernels.ops_triton import scale as triton_scale
+
+    from fastpar._plan import plan_for
+
+    group = plan_for([torch.arange(5)], "t", cache=False).groups[0]
+    for launcher in (numba_scale.scale, triton_scale.scale):
+        with pytest.raises(TypeError, match="group must hold .* tensors to be scaled, got torch.int64"):
+            launcher(group, 0.5, False)
+    with pytest.raises(ValueError, match="chunk must be a positive number of elements, got 0"):
+        numba_scale.bind(plan_for([torch.ones(3)], "t", cache=False).groups[0], 0.5, False, chunk=0)
+
+
+@pytest.mark.parametrize("numel", SCALE_SIZES)
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+def test_allreduce_hook_is_one_bitwise_pass(monkeypatch, numel, n, dtype):
+    # Every bucket size, specials included: torch's hook and fastpar's leave the same
+    # bits, and fastpar's took exactly one Numba pass (none for an empty bucket).
+    monkeypatch.setattr(dist, "all_reduce", _fake_all_reduce)
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "gloo")
+    monkeypatch.setattr(fddp, "_group_of", lambda state, name="state": state)
+    monkeypatch.setattr(fddp, "_checked", set())
+    x = (torch.randn(numel, generator=torch.Generator().manual_seed(numel + n)) * 3).to(dtype)
+    if numel >= 10:
+        x[:10] = _specials(dtype)
+    mine, theirs = x.clone(), x.clone()
+    with fastpar.use_backend("numba"), fastpar.count_launches() as launches:
+        got = fddp.allreduce_hook(_FakeGroup(n), _FakeBucket(mine)).wait()
+    exp = torch_hooks.allreduce_hook(_FakeGroup(n), _FakeBucket(theirs)).wait()
+    assert got is mine
+    assert _same_bits(got, exp)
+    assert launches.by_op == ({("numba", "scale"): 1} if numel else {}), launches.by_op
+
+
+@pytest.mark.parametrize("src, dst, scale, op", [
+    (torch.float32, torch.bfloat16, 0.5, "flatten"),
+    (torch.float32, torch.float16, 1 / 3, "flatten"),
+    (torch.float64, torch.float32, 0.25, "flatten"),
+    (torch.float32, torch.bfloat16, None, "unflatten_into"),
+    (torch.float32, torch.float16, None, "unflatten_into"),
+    (torch.float32, torch.float32, None, "flatten"),
+], ids=str)
+@pytest.mark.parametrize("numel", [1, 65536 + 3, 1 << 19])
+def test_resolved_pass_matches_the_launcher(src, dst, scale, op, numel):
+    # _launch binds the Numba copy kernel itself (mirroring ops_numba.flatten's
+    # launcher); it must write what the launcher writes, on one thread and on all.
+    x = (torch.randn(numel, generator=torch.Generator().manual_seed(numel), dtype=torch.float64) * 3).to(src)
+    x[:1] = float("nan")
+    other = torch.randn(numel, dtype=torch.float64).to(dst)
+    entry = fddp._Bucket(x)
+    if op == "flatten":
+        got, exp = torch.full_like(other, -1.0), torch.full_like(other, -1.0)
+        with fastpar.use_backend("numba"), fastpar.count_launches() as launches:
+            fddp._launch(op, entry, x, got, scale)
+        _dispatch_kernel("numba", op)(entry.group, exp, scale)
+    else:
+        bucket, ref = x.clone(), x.clone()
+        entry = fddp._Bucket(bucket)
+        with fastpar.use_backend("numba"), fastpar.count_launches() as launches:
+            fddp._launch(op, entry, bucket, other, scale)
+        _dispatch_kernel("numba", op)(fddp._Bucket(ref).group, other, scale)
+        got, exp = bucket, ref
+    assert _same_bits(got, exp)
+    assert launches.by_op == {("numba", op): 1}
+
+
+def _dispatch_kernel(backend, op):
+    from fastpar import _dispatch
+
+    return _dispatch._kernel(backend, op)
+
+
+def test_resolved_passes_follow_backend_and_tuning_changes():
+    from fastpar import _tuning
+
+    buf = torch.randn(5000)
+    low = torch.zeros(5000, dtype=torch.bfloat16)
+    entry = fddp._Bucket(buf)
+    exp = (buf * 0.5).bfloat16()
+    seen = []
+    for backend in ["numba", "triton", "torch", "numba"]:
+        low.fill_(0)
+        with fastpar.use_backend(backend), fastpar.count_launches() as launches:
+            fddp._launch("flatten", entry, buf, low, 0.5)
+        assert torch.equal(low, exp), backend
+        seen.append(dict(launches.by_op))
+    assert seen == [{("numba", "flatten"): 1}, {("triton", "flatten"): 1}, {}, {("numba", "flatten"): 1}]
+    # A forced tuning table (as fastpar.autotune measures with) is picked up at the next
+    # call: the pass is resolved again with its parameters.
+    key = ("flatten", low.data_ptr(), low.dtype, 0.5, False)
+    with _tuning.forced({("flatten", "numba"): {"chunk": 1024}}):
+        low.fill_(0)
+        fddp._launch("flatten", entry, buf, low, 0.5)
+        assert entry.passes[key].tuned == {"chunk": 1024}
+        assert torch.equal(low, exp)
+    low.fill_(0)
+    fddp._launch("flatten", entry, buf, low, 0.5)
+    assert entry.passes[key].tuned != {"chunk": 1024} and torch.equal(low, exp)
+
+
+def test_resolved_passes_hold_no_bucket():
+    # A cached pass must not keep its bucket alive: DDP frees its first-iteration buckets
+    # and the cache drops their entries only once their storage is gone.
+    import gc
+
+    fddp._buckets.clear()
+    buf = torch.randn(1000)
+    entry = fddp._buckets.get(buf)
+    for be in ["numba", "triton", "torch"]:
+        with fastpar.use_backend(be):
+            fddp._launch("scale", entry, buf, buf, 0.5)
+            low = entry.low.setdefault(torch.bfloat16, torch.empty(1000, dtype=torch.bfloat16))
+            fddp._launch("flatten", entry, buf, low, 0.5)
+            fddp._launch("unflatten_into", entry, buf, low, None)
+    assert len(entry.passes) == 3
+    alive = entry.alive
+    del buf
+    gc.collect()
+    assert alive.expired(), "a cached pass keeps the bucket's storage alive"
+    fddp._buckets.clear()

@@ -27,6 +27,18 @@ SCRIPT = textwrap.dedent(
     lists = [[t.clone() for t in ts] for _ in range(3)]
     sums = comm.reduce_add_coalesced(lists, "cpu")
     assert all(torch.allclose(s, 3 * t) for s, t in zip(sums, ts)), "reduce_add_coalesced"
+    from fastpar._plan import plan_for
+    from fastpar.kernels.ops_triton import scale as S
+    assert isinstance(S._scale_kernel, InterpretedFunction), type(S._scale_kernel)
+    for dtype in (torch.float32, torch.bfloat16):
+        xs = [torch.randn(n).to(dtype) for n in (1, 7, 3000)]
+        for factor, divide in ((0.5, False), (3.0, True)):
+            got = [x.clone() for x in xs]
+            with fastpar.count_launches() as n:
+                S.scale(plan_for(got, "t", cache=False).groups[0], factor, divide)
+            assert n.by_op == {("triton", "scale"): 1}, n.by_op
+            exp = [x / factor if divide else x * factor for x in xs]
+            assert all(torch.equal(a, b) for a, b in zip(got, exp)), ("scale", dtype, divide)
     print("ok")
     """
 )

@@ -69,9 +69,16 @@ def _copy_kernel_for(src_kind: str, dst_kind: str, scaled: bool, to_flat: bool, 
     return _copy_kernel
 
 
-def _launch_copy(group, flat: torch.Tensor, flat_dtype, scale, to_flat: bool, chunk: int,
-                 parallel_min_bytes: int) -> None:
-    src_dtype, dst_dtype = (group.dtype, flat_dtype) if to_flat else (flat_dtype, group.dtype)
+def bind_copy(group, flat: torch.Tensor, scale, to_flat: bool, *, chunk: int = DEFAULT_CHUNK,
+              parallel_min_bytes: int = DEFAULT_PARALLEL_MIN_BYTES):
+    """The launch :func:`flatten` (``to_flat``) or :func:`unflatten_into` would make,
+    with every argument resolved: a callable taking no arguments that runs it (and
+    counts it), or None when ``group`` has nothing to copy.
+
+    For callers that copy between the same buffers every step (the DDP hooks): calling
+    the result skips the kernel choice, the chunk map and the argument set-up, several
+    microseconds a launch. It holds addresses, not tensors: it must not outlive them."""
+    src_dtype, dst_dtype = (group.dtype, flat.dtype) if to_flat else (flat.dtype, group.dtype)
     raw = src_dtype == dst_dtype and scale is None
     src_kind, src_np = C.storage(src_dtype, raw)
     dst_kind, dst_np = C.storage(dst_dtype, raw)
@@ -79,28 +86,41 @@ def _launch_copy(group, flat: torch.Tensor, flat_dtype, scale, to_flat: bool, ch
     kernel = _copy_kernel_for(src_kind, dst_kind, scale is not None, to_flat, parallel)
     block_tensor, block_start = group.blocks(chunk)
     if len(block_tensor) == 0:
-        return
-    kernel(
+        return None
+    args = (
         group.addrs, group.numels, group.offsets, block_tensor, block_start, chunk,
         flat.data_ptr(),
         C.compute_scale(src_dtype, dst_dtype, 1.0 if scale is None else scale),
         np.empty(0, src_np), np.empty(0, dst_np),
     )
-    _launch.launches.record("numba", "flatten" if to_flat else "unflatten_into")
+    record = _launch.launches.record
+    op = "flatten" if to_flat else "unflatten_into"
+
+    def run() -> None:
+        kernel(*args)
+        record("numba", op)
+
+    return run
+
+
+def _launch_copy(group, flat: torch.Tensor, scale, to_flat: bool, chunk: int, parallel_min_bytes: int) -> None:
+    run = bind_copy(group, flat, scale, to_flat, chunk=chunk, parallel_min_bytes=parallel_min_bytes)
+    if run is not None:
+        run()
 
 
 def flatten(group, out: torch.Tensor, scale: float | None, *, chunk: int = DEFAULT_CHUNK,
             parallel_min_bytes: int = DEFAULT_PARALLEL_MIN_BYTES) -> None:
     """Copy every tensor of ``group`` into ``out[offset : offset + numel]``, cast to
     ``out.dtype`` and multiplied by ``scale`` when given. One launch."""
-    _launch_copy(group, out, out.dtype, scale, True, chunk, parallel_min_bytes)
+    _launch_copy(group, out, scale, True, chunk, parallel_min_bytes)
 
 
 def unflatten_into(group, flat: torch.Tensor, scale: float | None, *, chunk: int = DEFAULT_CHUNK,
                    parallel_min_bytes: int = DEFAULT_PARALLEL_MIN_BYTES) -> None:
     """Copy ``flat[offset : offset + numel]`` into every tensor of ``group``, cast to
     the group's dtype and multiplied by ``scale`` when given. One launch."""
-    _launch_copy(group, flat, flat.dtype, scale, False, chunk, parallel_min_bytes)
+    _launch_copy(group, flat, scale, False, chunk, parallel_min_bytes)
 
 
 @functools.cache
