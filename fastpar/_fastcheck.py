@@ -18,12 +18,13 @@ bumps 10,000 counters in tens of microseconds (torch's ``increment_version`` tak
 50 ns a tensor: 0.5 ms, more than the copy it follows).
 
 In Python every per-tensor getter costs 30-60 ns (``map(Tensor.data_ptr, ...)`` takes
-0.6 ms for 10,000 tensors, ten times the copy itself), so a Numba function does the loop:
-it reads the list's item pointers (``PyListObject.ob_item``) and calls torch's exported
-C accessor ``_torchinductor_pyobject_tensor_data_ptr(PyObject*)`` (what inductor's
-generated C++ uses) on each. Both rest on CPython / torch internals, so they are
-self-tested at import and the pure-Python check is used when anything is off (another
-Python layout, a free-threaded build, a torch without the symbol).
+0.6 ms for 10,000 tensors, ten times the copy itself), so a Numba function does the loop,
+reading the list's item pointers (``PyListObject.ob_item``) and the fields above. Where
+only the C++ guard checks metadata, the loop instead calls torch's exported C accessor
+``_torchinductor_pyobject_tensor_data_ptr(PyObject*)`` (what inductor's generated C++
+uses) on each tensor. All of it rests on CPython / torch internals, so it is self-tested
+at first use (outside inference mode) and the pure-Python check is used when anything is
+off (another Python layout, a free-threaded build, a torch without the symbol).
 """
 from __future__ import annotations
 
@@ -229,7 +230,8 @@ def increment_versions(tensors, impls: np.ndarray) -> None:
     inference tensors."""
     global _bump, _bump_ready
     if not _bump_ready:
-        _bump = _make_bump()
+        with torch.inference_mode(False), torch.no_grad():  # normal probe tensors (see _checker)
+            _bump = _make_bump()
         _bump_ready = True
     if _bump is None or _bump(impls) != -1:
         torch.autograd.graph.increment_version(list(tensors))
@@ -288,10 +290,11 @@ def _make_numba_check():
         @numba.njit(nogil=False, cache=False)
         def _snapshot(list_addr, n, proto):
             """Row per tensor: ndim, 5 sizes, 5 strides, numel, dtype, StorageImpl,
-            storage offset, storage data pointer (ndim > 5: ndim -1)."""
+            storage offset, and the storage's ``DataPtr`` (data pointer and the two words
+            after it, its deleter and context) (ndim > 5: ndim -1)."""
             header = numba.carray(address_as_pointer(list_addr, proto), (4,))
             items = numba.carray(address_as_pointer(header[3], proto), (n,))
-            out = np.zeros((n, 16), dtype=np.int64)
+            out = np.zeros((n, 18), dtype=np.int64)
             for i in range(n):
                 obj = numba.carray(address_as_pointer(items[i], proto), (impl_word + 1,))
                 w = numba.carray(address_as_pointer(obj[impl_word], proto), (top,))
@@ -307,7 +310,10 @@ def _make_numba_check():
                 out[i, 12] = w[d] & 0xFFFF
                 out[i, 13] = w[s_w]
                 out[i, 14] = w[o_w]
-                out[i, 15] = numba.carray(address_as_pointer(w[s_w], proto), (sd_w + 1,))[sd_w]
+                dp = numba.carray(address_as_pointer(w[s_w], proto), (sd_w + 3,))
+                out[i, 15] = dp[sd_w]
+                out[i, 16] = dp[sd_w + 1]
+                out[i, 17] = dp[sd_w + 2]
             return out
 
         @numba.njit(nogil=False, cache=False)
@@ -335,7 +341,11 @@ def _make_numba_check():
                         return False
                 if w[s_w] != meta[i, 13] or w[o_w] != meta[i, 14]:
                     return False
-                if numba.carray(address_as_pointer(w[s_w], proto), (sd_w + 1,))[sd_w] != meta[i, 15]:
+                # The whole DataPtr, not only the address: a lazy clone (copy on write)
+                # keeps the address and swaps the deleter context, and must not be
+                # written through the old plan (torch's data_ptr() would un-share it).
+                dp = numba.carray(address_as_pointer(w[s_w], proto), (sd_w + 3,))
+                if dp[sd_w] != meta[i, 15] or dp[sd_w + 1] != meta[i, 16] or dp[sd_w + 2] != meta[i, 17]:
                     return False
             return True
 
@@ -412,7 +422,10 @@ def metadata_guard(tensors):
 def _checker():
     global _numba_check, _numba_check_ready
     if not _numba_check_ready:
-        _numba_check = _make_numba_check()
+        # Probes must be normal tensors (inference tensors have no version counter and
+        # refuse in-place metadata changes), whatever mode the first call runs in.
+        with torch.inference_mode(False), torch.no_grad():
+            _numba_check = _make_numba_check()
         _numba_check_ready = True
     return _numba_check
 

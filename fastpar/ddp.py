@@ -282,7 +282,9 @@ def _launch(op: str, entry: _Bucket, bucket_buf: torch.Tensor, flat: torch.Tenso
     The launch is resolved once per bucket and pass and reused every step: the backend
     and the tuned parameters are still looked up per call (a ``FASTPAR_BACKEND`` or
     :func:`fastpar.use_backend` change, a re-read or forced tuning table, takes effect
-    at the next call), and the launch is resolved again when either changed."""
+    at the next call), and the launch is resolved again when either changed. On Numba
+    a tuned ``chunk`` is used but not ``parallel_min_bytes``: bucket passes run on every
+    core from 1 MiB (``_BUCKET_PARALLEL_MIN_BYTES``)."""
     backend = _dispatch.backend_for(entry.device)
     if op == "flatten":
         src_dtype, dst_dtype = bucket_buf.dtype, flat.dtype

@@ -452,3 +452,44 @@ def test_broadcast_op_writes_every_buffer(backend, dtype, shapes):
         assert torch.equal(b, ref_flat(ts)), f"buffer {k} differs"
     expected = {"numba": 1, "triton": 3, "torch": 0}[backend]  # triton: one per buffer
     assert n.total == expected
+
+
+def test_plan_cache_sees_copy_on_write_clone():
+    # A lazy clone keeps the storage's address and swaps its deleter context: a cached
+    # plan must not write through to the clone (torch's own writes un-share first).
+    a, c = torch.zeros(4), torch.zeros(3)
+    ts = [a, c]
+    fastpar.unflatten_into(torch.ones(7), ts)
+    b = torch._lazy_clone(a)
+    fastpar.unflatten_into(torch.full((7,), 2.0), ts)
+    assert a.tolist() == [2.0] * 4
+    assert b.tolist() == [1.0] * 4, "the write reached a copy-on-write clone"
+
+
+def test_fast_paths_calibrate_even_when_first_used_in_inference_mode():
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, numpy as np, fastpar\n"
+        "from fastpar import _fastcheck\n"
+        "with torch.inference_mode():\n"
+        "    ts = [torch.randn(3), torch.randn(2)]\n"
+        "    fastpar.unflatten_into(torch.ones(5), ts)\n"
+        "    _fastcheck.increment_versions([torch.zeros(1)], np.zeros(0, dtype=np.int64))\n"
+        "assert _fastcheck._checker() is not None and hasattr(_fastcheck._checker(), 'check_meta')\n"
+        "assert _fastcheck._bump is not None\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_numba_broadcast_refuses_a_buffer_it_would_overrun():
+    from fastpar._plan import plan_for
+    from fastpar.kernels.ops_numba.flatten import broadcast
+
+    (g,) = plan_for([torch.randn(3), torch.randn(5)], "tensors").groups
+    backing = poison_(torch.empty(16, dtype=torch.bfloat16))
+    for bad in (backing[:8], torch.empty(7), torch.empty(16)[::2]):  # wrong dtype / too small / strided
+        with pytest.raises(ValueError, match="outs\\[1\\] must be a contiguous CPU tensor"):
+            broadcast(g, [torch.empty(8), bad])
+    assert backing.isnan().all(), "a refused broadcast wrote"

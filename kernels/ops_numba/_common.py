@@ -207,7 +207,8 @@ if HAS_STREAM:
     def copy_bytes(dst, src, n, stream):
         """Copy ``n`` bytes from address ``src`` to address ``dst`` (non-overlapping);
         with ``stream``, the 32-byte-aligned body of a copy of at least
-        ``STREAM_MIN_BYTES`` is written with streaming stores (then ``store_fence``)."""
+        ``STREAM_MIN_BYTES`` is written with streaming stores, which the caller must
+        follow with :func:`store_fence` before anything else reads the destination."""
         d = numba.carray(address_as_pointer(dst, _U8), (n,))
         s = numba.carray(address_as_pointer(src, _U8), (n,))
         if not stream or n < STREAM_MIN_BYTES:

@@ -21,8 +21,9 @@ DEFAULT_CHUNK = 65536
 #: more than it saves, and on a busy machine a parallel region can wait a whole
 #: scheduler quantum (~4-8 ms) for a descheduled worker.
 DEFAULT_PARALLEL_MIN_BYTES = 4 << 20
-#: ``broadcast`` calls writing at least this many bytes (half this machine's L3) use
-#: streaming stores.
+#: ``broadcast`` calls writing at least this many bytes use streaming stores (half the
+#: 32 MiB L3 of the machine it was measured on: smaller results may still be in cache
+#: when they are next read).
 DEFAULT_STREAM_MIN_BYTES = 16 << 20
 
 
@@ -170,6 +171,15 @@ def broadcast(group, outs: list, *, chunk: int = DEFAULT_CHUNK,
     if len(block_tensor) == 0:
         return
     itemsize = group.dtype.itemsize
+    # The kernel copies raw bytes at raw addresses: a wrong buffer would be overrun, not
+    # merely miscast, so this launcher checks what the others trust their callers for.
+    need = int((group.offsets + group.numels).max())
+    for k, o in enumerate(outs):
+        if o.dtype != group.dtype or o.device.type != "cpu" or not o.is_contiguous() or o.numel() < need:
+            raise ValueError(
+                f"outs[{k}] must be a contiguous CPU tensor of dtype {group.dtype} with at least {need} "
+                f"elements, got {o.dtype} on {o.device}, shape {tuple(o.shape)}, strides {o.stride()}"
+            )
     parallel = group.numel * itemsize * (1 + len(outs)) >= parallel_min_bytes
     _broadcast_kernel_for(parallel)(
         group.addrs, group.numels, group.offsets, block_tensor, block_start, chunk,
