@@ -312,7 +312,7 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
     for gi, g in enumerate(plans[0].groups):
         group = ReduceGroup(
             g.dtype, dst, np.stack([s[gi] for s in sources]), dst_addr[gi], g.numels,
-            [kept[gi] for kept in keep_alive], dst_tensors[gi], g._blocks,
+            [kept[gi] for kept in keep_alive], dst_tensors[gi], g._blocks, fresh=out is None,
         )
         launch(group, **_tuning.params("reduce_add", backend, g.dtype, g.dtype, g.numel))
     if dst.type == "cuda":

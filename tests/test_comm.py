@@ -65,6 +65,23 @@ def test_reduce_add_coalesced_into_out(backend):
         assert_close(o, e, what=f"out[{i}]", tol=reduce_tol(o.dtype, 3))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_reduce_add_into_out_large_streamed(dtype):
+    # Over 16 MiB of float32/float64 results into existing tensors: the Numba kernel
+    # writes them with streaming stores. Destinations at odd offsets test the unaligned
+    # head and tail of every piece; the poisoned margins, that nothing else is written.
+    sizes = [4_500_001, 3, 65_537] if dtype == torch.float32 else [2_250_001, 5, 65_537]
+    inputs = [[rand((n,), dtype) for n in sizes] for _ in range(3)]
+    backing = [poison_(torch.empty(n + 2, dtype=dtype)) for n in sizes]
+    out = [b[1 : 1 + n] for b, n in zip(backing, sizes)]
+    comm.reduce_add_coalesced(inputs, "cpu", out=out)
+    for i, o in enumerate(out):
+        ref = sum(src[i].double() for src in inputs)
+        assert_close(o, ref, dtype=dtype, what=f"out[{i}]")
+    for b, n in zip(backing, sizes):
+        assert b[0].isnan() and b[n + 1].isnan(), "wrote outside out"
+
+
 def test_reduce_add_coalesced_noncontiguous_inputs(backend):
     base = [rand((6, 4), torch.float32) for _ in range(3)]
     lists = [[b.t(), b[:, 1]] for b in base]

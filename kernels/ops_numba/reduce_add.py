@@ -25,8 +25,13 @@ _ACCUMULATOR = {
 }
 
 
+#: Calls writing at least this many bytes write their results with streaming stores
+#: (see ``_common.copy_bytes``) when the accumulator has the storage type.
+DEFAULT_STREAM_MIN_BYTES = 16 << 20
+
+
 @functools.cache
-def _reduce_kernel_for(kind: str, parallel: bool):
+def _reduce_kernel_for(kind: str, parallel: bool, stream: bool):
     load = C.LOADS[kind]
     store = C.STORES[kind]
 
@@ -56,24 +61,36 @@ def _reduce_kernel_for(kind: str, parallel: bool):
                 s = numba.carray(C.address_as_pointer(src_addrs[k, t] + lo * size, proto), (m,))
                 for i in range(np.uint64(m)):
                     acc[i] += load(s, i)
-            d = numba.carray(C.address_as_pointer(dst_addrs[t] + lo * size, proto), (m,))
-            for i in range(np.uint64(m)):
-                store(d, i, acc[i])
+            if stream:
+                # The accumulator row has the storage type: stream it out, skipping the
+                # read-for-ownership of each destination line (K + 1 passes over memory
+                # instead of K + 2).
+                C.copy_bytes(dst_addrs[t] + lo * size, np.int64(acc.ctypes.data), m * size, True)
+                C.store_fence()
+            else:
+                d = numba.carray(C.address_as_pointer(dst_addrs[t] + lo * size, proto), (m,))
+                for i in range(np.uint64(m)):
+                    store(d, i, acc[i])
 
     return _reduce_add_kernel
 
 
-def reduce_add(group, *, chunk: int = DEFAULT_CHUNK, parallel_min_bytes: int = DEFAULT_PARALLEL_MIN_BYTES) -> None:
+def reduce_add(group, *, chunk: int = DEFAULT_CHUNK, parallel_min_bytes: int = DEFAULT_PARALLEL_MIN_BYTES,
+               stream_min_bytes: int = DEFAULT_STREAM_MIN_BYTES) -> None:
     """Write ``sum_k src[k][t]`` into every destination ``t`` of ``group`` (a
-    :class:`fastpar._plan.ReduceGroup`). One launch."""
+    :class:`fastpar._plan.ReduceGroup`). One launch. Calls writing at least
+    ``stream_min_bytes`` of float32/float64/int64 results into existing tensors (not
+    ``group.fresh``) write them with streaming stores (where the CPU has them)."""
     block_tensor, block_start = group.blocks(chunk)
     if len(block_tensor) == 0:
         return
     kind, storage = C.KINDS[group.dtype]
     parallel = group.numel * group.dtype.itemsize * (group.n_sources + 1) >= parallel_min_bytes
+    stream = (C.HAS_STREAM and not group.fresh and np.dtype(_ACCUMULATOR[group.dtype]) == np.dtype(storage)
+              and group.numel * group.dtype.itemsize >= stream_min_bytes)
     threads = numba.get_num_threads() if parallel else 1
     scratch = np.empty((threads, chunk), _ACCUMULATOR[group.dtype])
-    _reduce_kernel_for(kind, parallel)(
+    _reduce_kernel_for(kind, parallel, stream)(
         group.src_addrs, group.dst_addrs, group.numels, block_tensor, block_start, scratch,
         np.empty(0, storage),
     )
