@@ -414,6 +414,7 @@ def test_unflatten_into_bumps_versions_so_autograd_sees_the_write():
         y.backward()
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
 def test_plan_cache_sees_swapped_tensors_and_rejects_nested():
     a, b = torch.arange(6.0), torch.arange(3.0)
     ts = [a, b]

@@ -15,7 +15,14 @@ import triton
 import triton.language as tl
 
 from .. import _launch
-from ._common import TL_DTYPES, Kernel, align_elems, storage_type, to_storage
+from ._common import (
+    TL_DTYPES,
+    Kernel,
+    align_elems,
+    block_piece,
+    storage_type,
+    to_storage,
+)
 
 #: Elements per program (as the copy's).
 DEFAULT_BLOCK = 2048
@@ -42,12 +49,7 @@ def _scale_kernel(
     of tensor ``t = block_tensor[p]``, ``start = block_start[p]``, by ``x * factor`` or
     ``x / factor`` computed in COMPUTE and rounded to DT like torch. Programs never
     overlap."""
-    pid = tl.program_id(0).to(tl.int64)
-    n_blocks = tl.num_programs(0).to(tl.int64)
-    t = tl.load(table + 3 * n_tensors + n_blocks + pid)
-    start = tl.load(table + 3 * n_tensors + pid)
-    addr = tl.load(table + t)
-    n = tl.load(table + n_tensors + t)
+    t, start, addr, n = block_piece(table, n_tensors)
     if ALIGN > 1:
         # The launcher checked these; telling the compiler lets it vectorise.
         addr = tl.multiple_of(addr, 16)
