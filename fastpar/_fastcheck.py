@@ -256,12 +256,18 @@ def _make_numba_check():
         return None
 
     @numba.njit(nogil=False, cache=False)
+    def _list_items(list_addr, n, proto):
+        """The item pointers of the list at ``list_addr`` (``PyListObject``: ob_refcnt,
+        ob_type, ob_size, ob_item), or none at all if it does not hold ``n`` items."""
+        header = numba.carray(address_as_pointer(list_addr, proto), (4,))
+        return numba.carray(address_as_pointer(header[3], proto), (n if header[2] == n else 0,))
+
+    @numba.njit(nogil=False, cache=False)
     def _same(list_addr, n, ids, impls, ptrs, proto):
         # Runs with the GIL held: the list cannot change under us.
-        header = numba.carray(address_as_pointer(list_addr, proto), (4,))
-        if header[2] != n:  # ob_size
+        items = _list_items(list_addr, n, proto)
+        if items.shape[0] != n:
             return False
-        items = numba.carray(address_as_pointer(header[3], proto), (n,))
         for i in range(n):
             if items[i] != ids[i]:
                 return False
@@ -292,8 +298,7 @@ def _make_numba_check():
             """Row per tensor: ndim, 5 sizes, 5 strides, numel, dtype, StorageImpl,
             storage offset, and the storage's ``DataPtr`` (data pointer and the two words
             after it, its deleter and context) (ndim > 5: ndim -1)."""
-            header = numba.carray(address_as_pointer(list_addr, proto), (4,))
-            items = numba.carray(address_as_pointer(header[3], proto), (n,))
+            items = _list_items(list_addr, n, proto)
             out = np.zeros((n, 18), dtype=np.int64)
             for i in range(n):
                 obj = numba.carray(address_as_pointer(items[i], proto), (impl_word + 1,))
@@ -320,10 +325,9 @@ def _make_numba_check():
         def _same_meta(list_addr, n, ids, impls, meta, proto):
             # One pass, each tensor's lines read once: with 50,000 tensors (a K=4 reduce)
             # their metadata is far out of cache and the loop is bound by memory latency.
-            header = numba.carray(address_as_pointer(list_addr, proto), (4,))
-            if header[2] != n:  # ob_size
+            items = _list_items(list_addr, n, proto)
+            if items.shape[0] != n:
                 return False
-            items = numba.carray(address_as_pointer(header[3], proto), (n,))
             for i in range(n):
                 # The very object the plan validated (and still references), still with
                 # the TensorImpl it had then (torch.utils.swap_tensors replaces it).
