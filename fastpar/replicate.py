@@ -121,6 +121,7 @@ class _Placement:
             flat = buf.view(layout.dtype)
             if device == src:
                 local.append(flat)
+                local_layout = layout
             else:
                 # Pack on the source in the destination's layout, then one copy.
                 src_layout = rnn.RNNLayout(**{**_layout_fields(layout), "device": src})
@@ -129,7 +130,7 @@ class _Placement:
                 buf.copy_(staging, non_blocking=True)
             result.append(layout.views(flat))
         if local:
-            rnn._pack(weights, rnn.RNNLayout.for_module(module, device=src), local[0], True, local[1:])
+            rnn._pack(weights, local_layout, local[0], True, local[1:])
         return result
 
 
