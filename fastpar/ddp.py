@@ -238,6 +238,10 @@ _buckets = _BucketCache()
 _BUCKET_PARALLEL_MIN_BYTES = 1 << 20
 
 
+#: Bound passes kept per bucket (a hook needs at most three: scale, cast in, cast back).
+_MAX_PASSES_PER_BUCKET = 8
+
+
 class _Pass:
     """One pass over one bucket, resolved once: the backend and tuned launch parameters
     it was resolved for, and ``run(bucket_buf, flat)`` that launches it (None: an empty
@@ -295,6 +299,10 @@ def _launch(op: str, entry: _Bucket, bucket_buf: torch.Tensor, flat: torch.Tenso
     key = (op, flat.data_ptr(), flat.dtype, scale, divide)
     p = entry.passes.get(key)
     if p is None or p.backend != backend or p.tuned is not tuned:
+        if len(entry.passes) >= _MAX_PASSES_PER_BUCKET:
+            # A backend handing back a new result tensor every step would otherwise add
+            # a pass per step (gloo and NCCL return the hook's own buffer).
+            entry.passes.clear()
         p = entry.passes[key] = _Pass(backend, tuned, _bind(op, backend, entry, flat, scale, divide, tuned))
     if p.run is not None:
         if entry.on_cpu:

@@ -883,6 +883,17 @@ def test_resolved_passes_follow_backend_and_tuning_changes():
     assert entry.passes[key].tuned != {"chunk": 1024} and torch.equal(low, exp)
 
 
+def test_resolved_passes_per_bucket_are_bounded():
+    # A backend that returned a new result tensor every step must not grow the cache.
+    buf = torch.randn(300)
+    entry = fddp._Bucket(buf)
+    for step in range(3 * fddp._MAX_PASSES_PER_BUCKET):
+        result = torch.randn(300, dtype=torch.bfloat16)  # a fresh "all-reduced" tensor
+        fddp._launch("unflatten_into", entry, buf, result, None)
+        assert torch.equal(buf, result.float()), step
+        assert len(entry.passes) <= fddp._MAX_PASSES_PER_BUCKET
+
+
 def test_resolved_passes_hold_no_bucket():
     # A cached pass must not keep its bucket alive: DDP frees its first-iteration buckets
     # and the cache drops their entries only once their storage is gone.
