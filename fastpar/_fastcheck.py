@@ -5,8 +5,8 @@ Every cache hit checks identity and data pointer, then dtype, sizes and strides:
 latter is what catches in-place metadata changes that keep the data pointer (``t_()``, a
 shrinking ``resize_()``, ``as_strided_()``, ``p.data = p.data[:n]``), which would
 otherwise make a stale plan copy the wrong elements. One Numba pass over the list's
-items does it all (on every thread from 1,024 tensors): for 10,000 tensors about 45 us
-when their metadata is in cache and 0.2-0.3 ms when it is not, reading each tensor's ``TensorImpl`` fields (ndim, inline sizes and strides,
+items does it all, about 7 ns a tensor when their metadata is in cache (35 ns when it
+is not), reading each tensor's ``TensorImpl`` fields (ndim, inline sizes and strides,
 numel, dtype, storage and storage offset) and its ``StorageImpl``'s data pointer at
 offsets found by calibrating against probe tensors at first use and verified by mutating
 them; where that calibration fails, or a tensor has more than 5 dimensions (sizes out
@@ -50,10 +50,6 @@ def _python_check(tensors: list, impls: np.ndarray, ptrs: list, cached: tuple) -
             and np.array_equal(np.fromiter(map(_get_cdata, tensors), np.int64, len(tensors)), impls)
             and list(map(_T.data_ptr, tensors)) == ptrs)
 
-
-#: From this many tensors, a plan is re-checked on every thread. Measured here (warm):
-#: 256 tensors 3.3 us serial / 4.2 us parallel, 1,024: 12.9 / 8.3, 10,000: 89 / 46.
-PARALLEL_CHECK_MIN = 1024
 
 #: TensorImpl words read by the calibration (192 bytes; the object is larger, and the
 #: fields sought lie in its first 21 words on torch 2.x).
@@ -325,52 +321,43 @@ def _make_numba_check():
                 out[i, 17] = dp[sd_w + 2]
             return out
 
+        @numba.njit(nogil=False, cache=False)
         def _same_meta(list_addr, n, ids, impls, meta, proto):
-            # One pass, each tensor's lines read once, compiled twice: serial, and
-            # parallel for long lists (their objects are mostly out of cache, 50,000
-            # tensors in a K=4 reduce, and the loop is bound by memory latency, which
-            # two threads overlap: measured 1.6-2x here, cold or warm). The caller holds
-            # the GIL throughout, so the list and its objects cannot change meanwhile.
+            # One pass, each tensor's lines read once: with 50,000 tensors (a K=4 reduce)
+            # their metadata is far out of cache and the loop is bound by memory latency.
             items = _list_items(list_addr, n, proto)
             if items.shape[0] != n:
                 return False
-            different = 0
-            for i in numba.prange(n):
+            for i in range(n):
                 # The very object the plan validated (and still references), still with
                 # the TensorImpl it had then (torch.utils.swap_tensors replaces it).
-                same = items[i] == ids[i]
-                if same:
-                    obj = numba.carray(address_as_pointer(items[i], proto), (impl_word + 1,))
-                    same = obj[impl_word] == impls[i]
-                if same:
-                    w = numba.carray(address_as_pointer(impls[i], proto), (top,))
-                    nd = w[k]
-                    same = (nd == meta[i, 0] and w[m] == meta[i, 11] and (w[d] & 0xFFFF) == meta[i, 12]
-                            and w[s_w] == meta[i, 13] and w[o_w] == meta[i, 14])
-                    if same:
-                        for j in range(nd):
-                            if w[k + 1 + j] != meta[i, 1 + j] or w[k + 6 + j] != meta[i, 6 + j]:
-                                same = False
-                    if same:
-                        # The whole DataPtr, not only the address: a lazy clone (copy on
-                        # write) keeps the address and swaps the deleter context, and must
-                        # not be written through the old plan (torch's data_ptr() would
-                        # un-share it).
-                        dp = numba.carray(address_as_pointer(w[s_w], proto), (sd_w + 3,))
-                        same = dp[sd_w] == meta[i, 15] and dp[sd_w + 1] == meta[i, 16] and dp[sd_w + 2] == meta[i, 17]
-                if not same:
-                    different += 1
-            return different == 0
-
-        _same_meta_serial = numba.njit(nogil=False, cache=False)(_same_meta)
-        _same_meta_parallel = numba.njit(nogil=False, cache=False, parallel=True)(_same_meta)
+                if items[i] != ids[i]:
+                    return False
+                obj = numba.carray(address_as_pointer(items[i], proto), (impl_word + 1,))
+                if obj[impl_word] != impls[i]:
+                    return False
+                w = numba.carray(address_as_pointer(impls[i], proto), (top,))
+                nd = w[k]
+                if nd != meta[i, 0] or w[m] != meta[i, 11] or (w[d] & 0xFFFF) != meta[i, 12]:
+                    return False
+                for j in range(nd):
+                    if w[k + 1 + j] != meta[i, 1 + j] or w[k + 6 + j] != meta[i, 6 + j]:
+                        return False
+                if w[s_w] != meta[i, 13] or w[o_w] != meta[i, 14]:
+                    return False
+                # The whole DataPtr, not only the address: a lazy clone (copy on write)
+                # keeps the address and swaps the deleter context, and must not be
+                # written through the old plan (torch's data_ptr() would un-share it).
+                dp = numba.carray(address_as_pointer(w[s_w], proto), (sd_w + 3,))
+                if dp[sd_w] != meta[i, 15] or dp[sd_w + 1] != meta[i, 16] or dp[sd_w + 2] != meta[i, 17]:
+                    return False
+            return True
 
         def snapshot(tensors: list):
             return _snapshot(id(tensors), len(tensors), proto)
 
         def check_meta(tensors: list, ids, impls, meta) -> bool:
-            same = _same_meta_parallel if len(tensors) >= PARALLEL_CHECK_MIN else _same_meta_serial
-            return same(id(tensors), len(tensors), ids, impls, meta, proto)
+            return _same_meta(id(tensors), len(tensors), ids, impls, meta, proto)
 
         # Verify the calibration by mutating metadata in place and reading it back.
         try:
