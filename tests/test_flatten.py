@@ -494,3 +494,43 @@ def test_numba_broadcast_refuses_a_buffer_it_would_overrun():
         with pytest.raises(ValueError, match="outs\\[1\\] must be a contiguous CPU tensor"):
             broadcast(g, [torch.empty(8), bad])
     assert backing.isnan().all(), "a refused broadcast wrote"
+
+
+@pytest.mark.parametrize("change", ["t_", "grow", "swap", "replace"])
+def test_long_list_check_sees_a_change_in_the_middle(change):
+    n = 4133
+    ts = [torch.full((3,), float(i)) for i in range(n)]
+    ts[n // 2] = torch.arange(6.0).view(2, 3)
+    assert torch.equal(fastpar.flatten(ts), torch.cat([t.reshape(-1) for t in ts]))
+    assert torch.equal(fastpar.flatten(ts), torch.cat([t.reshape(-1) for t in ts]))  # cached
+    t = ts[n // 2]
+    if change == "t_":
+        t.t_()
+    elif change == "grow":
+        t.resize_(1 << 16).uniform_()
+        t.resize_(2, 3)
+    elif change == "swap":
+        torch.utils.swap_tensors(t, torch.arange(10.0, 16.0).view(2, 3))
+    else:
+        ts[n // 2] = torch.arange(20.0, 26.0).view(2, 3)
+    assert torch.equal(fastpar.flatten(ts), torch.cat([t.reshape(-1) for t in ts])), change
+
+
+def test_forked_child_can_use_cached_plans():
+    # A DataLoader-style forked worker inheriting the parent's plan cache (Linux default).
+    import os
+
+    ts = [torch.full((3,), float(i)) for i in range(2048)]
+    out = torch.empty(3 * 2048)
+    fastpar.flatten(ts, out=out)
+    fastpar.flatten(ts, out=out)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through its exit status
+        code = 1
+        try:
+            fastpar.flatten(ts, out=poison_(out))
+            code = 0 if torch.equal(out, torch.cat(ts)) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
