@@ -516,21 +516,39 @@ def test_long_list_check_sees_a_change_in_the_middle(change):
     assert torch.equal(fastpar.flatten(ts), torch.cat([t.reshape(-1) for t in ts])), change
 
 
-def test_forked_child_can_use_cached_plans():
+@pytest.mark.parametrize("size", ["small", "parallel"])
+def test_forked_child_can_use_cached_plans_and_kernels(size):
     # A DataLoader-style forked worker inheriting the parent's plan cache (Linux default).
+    # After the parent ran a parallel kernel, a child starting one would be killed by
+    # GNU OpenMP: the launchers run serially in a forked child.
     import os
+    import signal
+    import time
 
-    ts = [torch.full((3,), float(i)) for i in range(2048)]
-    out = torch.empty(3 * 2048)
+    n, numel = (2048, 3) if size == "small" else (4, 1 << 20)
+    ts = [torch.full((numel,), float(i)) for i in range(n)]
+    out = torch.empty(n * numel)
     fastpar.flatten(ts, out=out)
     fastpar.flatten(ts, out=out)
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child reports through its exit status
         code = 1
         try:
-            fastpar.flatten(ts, out=poison_(out))
+            torch.set_num_threads(1)  # as DataLoader workers do (torch's own OpenMP)
+            fastpar.flatten(ts, out=out.fill_(float("nan")))
             code = 0 if torch.equal(out, torch.cat(ts)) else 2
         finally:
             os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
+    deadline = time.monotonic() + 120
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung")
+        time.sleep(0.05)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, (
+        f"child exit status {status} (signal {os.WTERMSIG(status) if os.WIFSIGNALED(status) else None})"
+    )

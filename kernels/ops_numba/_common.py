@@ -10,6 +10,7 @@ for bit.
 """
 from __future__ import annotations
 
+import os
 import platform
 
 import numba
@@ -243,3 +244,17 @@ else:
     @numba.njit(nogil=True)
     def store_fence():
         pass
+
+
+# ---------------------------------------------------------------------------------------
+# Parallel regions and fork.
+
+_PID = os.getpid()
+
+
+def parallel_ok() -> bool:
+    """False in a process forked from the one that loaded these kernels (a DataLoader
+    worker, say). With GNU OpenMP (Numba's ``omp`` layer on Linux), a forked child that
+    starts a parallel region after its parent did is killed with SIGTERM ("fork() called
+    from a process already using GNU OpenMP"), so launchers run serially there."""
+    return os.getpid() == _PID

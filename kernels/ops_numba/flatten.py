@@ -83,7 +83,7 @@ def bind_copy(group, flat: torch.Tensor, scale, to_flat: bool, *, chunk: int = D
     raw = src_dtype == dst_dtype and scale is None
     src_kind, src_np = C.storage(src_dtype, raw)
     dst_kind, dst_np = C.storage(dst_dtype, raw)
-    parallel = group.numel * (src_dtype.itemsize + dst_dtype.itemsize) >= parallel_min_bytes
+    parallel = group.numel * (src_dtype.itemsize + dst_dtype.itemsize) >= parallel_min_bytes and C.parallel_ok()
     kernel = _copy_kernel_for(src_kind, dst_kind, scale is not None, to_flat, parallel)
     block_tensor, block_start = group.blocks(chunk)
     if len(block_tensor) == 0:
@@ -180,7 +180,7 @@ def broadcast(group, outs: list, *, chunk: int = DEFAULT_CHUNK,
                 f"outs[{k}] must be a contiguous CPU tensor of dtype {group.dtype} with at least {need} "
                 f"elements, got {o.dtype} on {o.device}, shape {tuple(o.shape)}, strides {o.stride()}"
             )
-    parallel = group.numel * itemsize * (1 + len(outs)) >= parallel_min_bytes
+    parallel = group.numel * itemsize * (1 + len(outs)) >= parallel_min_bytes and C.parallel_ok()
     _broadcast_kernel_for(parallel)(
         group.addrs, group.numels, group.offsets, block_tensor, block_start, chunk,
         np.array([o.data_ptr() for o in outs], dtype=np.int64), itemsize,

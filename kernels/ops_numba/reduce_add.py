@@ -85,7 +85,7 @@ def reduce_add(group, *, chunk: int = DEFAULT_CHUNK, parallel_min_bytes: int = D
     if len(block_tensor) == 0:
         return
     kind, storage = C.KINDS[group.dtype]
-    parallel = group.numel * group.dtype.itemsize * (group.n_sources + 1) >= parallel_min_bytes
+    parallel = group.numel * group.dtype.itemsize * (group.n_sources + 1) >= parallel_min_bytes and C.parallel_ok()
     stream = (C.HAS_STREAM and not group.fresh and np.dtype(_ACCUMULATOR[group.dtype]) == np.dtype(storage)
               and group.numel * group.dtype.itemsize >= stream_min_bytes)
     threads = numba.get_num_threads() if parallel else 1

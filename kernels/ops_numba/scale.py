@@ -83,7 +83,7 @@ def bind(group, factor: float, divide: bool, *, chunk: int = DEFAULT_CHUNK,
     if len(block_tensor) == 0:
         return None
     kind, storage = C.KINDS[group.dtype]
-    parallel = group.numel * 2 * group.dtype.itemsize >= parallel_min_bytes
+    parallel = group.numel * 2 * group.dtype.itemsize >= parallel_min_bytes and C.parallel_ok()
     kernel = _scale_kernel_for(kind, bool(divide), parallel)
     args = (group.addrs, group.numels, block_tensor, block_start, chunk,
             C.compute_scale(group.dtype, group.dtype, factor), np.empty(0, storage))
