@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 # torch dtype -> (kind, numpy storage dtype). The kind picks the load/store pair.
@@ -199,7 +200,19 @@ def _store_fence(typingctx):
     return sig, codegen
 
 
-_U8 = np.empty(0, np.uint8)
+@intrinsic
+def _memcpy(typingctx, dst, src, n):
+    """``memcpy(dst, src, n)`` on raw addresses (LLVM's intrinsic: small copies inline,
+    large ones glibc's tuned routine)."""
+    sig = types.void(types.int64, types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        i8p = ir.IntType(8).as_pointer()
+        cgutils.raw_memcpy(builder, builder.inttoptr(args[0], i8p), builder.inttoptr(args[1], i8p), args[2], 1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
 
 
 if HAS_STREAM:
@@ -210,22 +223,17 @@ if HAS_STREAM:
         with ``stream``, the 32-byte-aligned body of a copy of at least
         ``STREAM_MIN_BYTES`` is written with streaming stores, which the caller must
         follow with :func:`store_fence` before anything else reads the destination."""
-        d = numba.carray(address_as_pointer(dst, _U8), (n,))
-        s = numba.carray(address_as_pointer(src, _U8), (n,))
         if not stream or n < STREAM_MIN_BYTES:
-            for i in range(np.uint64(n)):
-                d[i] = s[i]
+            _memcpy(dst, src, n)
             return
         head = (-dst) & 31
         end = head + ((n - head) & ~31)
-        for i in range(np.uint64(head)):
-            d[i] = s[i]
+        _memcpy(dst, src, head)
         i = head
         while i < end:
             _stream_32(dst + i, src + i)
             i += 32
-        for j in range(np.uint64(end), np.uint64(n)):
-            d[j] = s[j]
+        _memcpy(dst + end, src + end, n - end)
 
     @numba.njit(nogil=True)
     def store_fence():
@@ -236,10 +244,7 @@ else:
     @numba.njit(nogil=True)
     def copy_bytes(dst, src, n, stream):
         """Copy ``n`` bytes from address ``src`` to address ``dst`` (non-overlapping)."""
-        d = numba.carray(address_as_pointer(dst, _U8), (n,))
-        s = numba.carray(address_as_pointer(src, _U8), (n,))
-        for i in range(np.uint64(n)):
-            d[i] = s[i]
+        _memcpy(dst, src, n)
 
     @numba.njit(nogil=True)
     def store_fence():
