@@ -141,14 +141,23 @@ def _calibrate_version():
     (``VersionCounter*``, shared by ``detach()`` but not by ``.data``; null for
     inference tensors) and the byte offset of the 32-bit version in that counter; None
     unless unambiguous and confirmed by bumping probes."""
-    a, d = torch.zeros(3), torch.zeros(3)
-    b, c = a.detach(), a.data
-    wa, wb, wc, wd = (_words(t._cdata, _WORDS) for t in (a, b, c, d))
-    # Shared by a and its detach(), distinct for a.data and for an unrelated tensor d.
-    cand = [w for w in range(2, _WORDS) if wa[w] == wb[w] and len({wa[w], wc[w], wd[w]}) == 3 and wa[w] != 0]
+    bases = [torch.zeros(3) for _ in range(4)]
+    keep = [(t, t.detach(), t.data) for t in bases]
+    words = [tuple(_words(x._cdata, _WORDS) for x in trio) for trio in keep]
+
+    # Shared by each tensor and its detach(), not by its .data, distinct across the
+    # tensors, and pointer-like: uninitialised padding words can pass the first tests
+    # by chance (they did, once in a CI run, with a single probe), never all of them.
+    def is_counter(w):
+        vals = [wa[w] for wa, _, _ in words]
+        return (all(wa[w] == wb[w] != wc[w] for wa, wb, wc in words) and len(set(vals)) == len(vals)
+                and all(x >= 65536 and x % 8 == 0 for x in vals))
+
+    cand = [w for w in range(2, _WORDS) if is_counter(w)]
     if len(cand) != 1:
         return None
     v = cand[0]
+    a, _, c = keep[0]
     u32 = lambda t: np.ctypeslib.as_array((ctypes.c_uint32 * 6).from_address(int(_words(t._cdata, _WORDS)[v]))).copy()
     seen = []
     for _ in range(3):
