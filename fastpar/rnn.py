@@ -432,16 +432,15 @@ def _pack(weights, layout: RNNLayout, out, cache: bool, more_outs=()) -> torch.T
     if len(plan.groups) > 1:  # one group per dtype
         _check_one_device_dtype(plan.tensors, [f"[{i}]" for i in range(len(plan.tensors))], "weights")
     check_conversion(plan.dtypes[0], layout.dtype, None, "pack")
-    if out is None:
-        out = torch.empty(layout.numel, dtype=layout.dtype, device=layout.device)
-        given = [(f"more_outs[{j}]", t) for j, t in enumerate(more_outs)]
-    else:
-        given = [("out", out)] + [(f"more_outs[{j}]", t) for j, t in enumerate(more_outs)]
+    given = [] if out is None else [("out", out)]
+    given += [(f"more_outs[{j}]", t) for j, t in enumerate(more_outs)]
     for name, t in given:
         _check_out(t, layout, name)
         i = plan.overlaps(t)
         if i >= 0:
             raise ValueError(f"{name} overlaps the memory of weights[{i}] ({layout.names[i]}); it must be a separate buffer")
+    if out is None:
+        out = torch.empty(layout.numel, dtype=layout.dtype, device=layout.device)
     outs = [out, *more_outs]
     groups, _ = _staged_groups(plan, fill=True)
     (g,) = groups
