@@ -327,7 +327,7 @@ def _result_buffers(plan, dst, buffer_size: int):
     """New result tensors for ``plan``'s positions on ``dst``: per dtype group, their
     addresses and the tensors, and all of them in plan order.
 
-    They are views of buffers each holding the tensors that start in one ``buffer_size``
+    They are pieces of buffers each holding the tensors that start in one ``buffer_size``
     window (so a buffer exceeds ``buffer_size`` by at most its last tensor), as torch's
     buckets are small: the allocator recycles such blocks from call to call, where one
     buffer of hundreds of MB would be mapped, and page-faulted, afresh each call (which
@@ -341,9 +341,12 @@ def _result_buffers(plan, dst, buffer_size: int):
         for lo, hi, numel, local, sizes, not_1d in chunks:
             buf = torch.empty(numel, dtype=g.dtype, device=dst)
             a[lo:hi] = buf.data_ptr() + local
-            views.extend(split_views(buf, sizes, not_1d))
-        for i, v in zip(g.index.tolist(), views):
-            result[i] = v
+            views.extend(split_views(buf, sizes, not_1d, autograd_views=False))
+        if len(plan.groups) == 1:  # one dtype: the group is the plan, in order
+            result = views
+        else:
+            for i, v in zip(g.index.tolist(), views):
+                result[i] = v
         addrs.append(a)
         per_group.append(views)
     return addrs, per_group, result

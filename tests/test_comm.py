@@ -42,6 +42,22 @@ def test_reduce_add_coalesced_matches_float64(backend, k):
         assert_close(r, e, what=f"position {i}", tol=reduce_tol(r.dtype, k))
 
 
+def test_reduce_add_coalesced_results_are_independent_tensors(backend):
+    # Results share buffers, but as separately allocated tensors would behave: an in-place
+    # write to one neither changes nor bumps the version of another (they are not
+    # autograd views of a hidden buffer), and each still has its own shape.
+    lists = replicas(2)
+    result = comm.reduce_add_coalesced(lists, "cpu")
+    before = [r.clone() for r in result]
+    versions = [r._version for r in result]
+    result[0].add_(1)
+    assert result[0]._version == versions[0] + 1
+    for i in range(1, len(result)):
+        assert result[i]._version == versions[i], f"result[{i}]'s version moved"
+        assert torch.equal(result[i], before[i]), f"result[{i}] changed"
+        assert result[i].shape == lists[0][i].shape
+
+
 @pytest.mark.parametrize("dtype,small", [(torch.float16, 0.0004), (torch.bfloat16, 0.003)], ids=str)
 def test_reduce_add_fp16_bf16_accumulate_in_fp32(backend, dtype, small):
     # 1 + seven values each under half a unit in the last place of 1.0: sequential 16-bit
