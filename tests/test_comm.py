@@ -42,6 +42,29 @@ def test_reduce_add_coalesced_matches_float64(backend, k):
         assert_close(r, e, what=f"position {i}", tol=reduce_tol(r.dtype, k))
 
 
+@pytest.mark.parametrize("k", [4, 5, 6, 7, 9])
+def test_reduce_add_coalesced_source_groupings(backend, k):
+    # The Numba kernel reads up to four sources per pass: K = 5, 6, 7 and 9 end on a
+    # partial group of 1, 2, 3 and 1 sources.
+    lists = replicas(k, [((65_537,), torch.float32), ((33,), torch.float16), ((5, 7), torch.float64)])
+    for i, (r, e) in enumerate(zip(comm.reduce_add_coalesced(lists, "cpu"), ref_sum(lists))):
+        assert_close(r, e, what=f"position {i}", tol=reduce_tol(r.dtype, k))
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64], ids=str)
+def test_reduce_add_coalesced_integers_wrap_as_torch(backend, dtype):
+    # Integer sums wrap around as torch's in-place adds do in the tensor's dtype.
+    info = torch.iinfo(dtype)
+    gen = torch.Generator().manual_seed(5)
+    lists = [[torch.randint(info.min, info.max, (n,), dtype=dtype, generator=gen) for n in (1, 7, 300)] for _ in range(6)]
+    expected = [lists[0][i].clone() for i in range(3)]
+    for lst in lists[1:]:
+        for e, t in zip(expected, lst):
+            e.add_(t)
+    for i, (r, e) in enumerate(zip(comm.reduce_add_coalesced(lists, "cpu"), expected)):
+        assert r.dtype == dtype and torch.equal(r, e), f"position {i}: {r[:5].tolist()} != {e[:5].tolist()}"
+
+
 def test_reduce_add_coalesced_results_are_independent_tensors(backend):
     # Results share buffers, but as separately allocated tensors would behave: an in-place
     # write to one neither changes nor bumps the version of another (they are not

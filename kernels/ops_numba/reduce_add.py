@@ -52,23 +52,54 @@ def _reduce_kernel_for(kind: str, parallel: bool, stream: bool):
             t = block_tensor[b]
             lo = block_start[b]
             m = min(chunk, numels[t] - lo)
+            off = lo * size
             acc = scratch[numba.get_thread_id()]
+            # Up to four sources per pass, read side by side in one loop: reading one
+            # source's whole block after another made every block restart K memory
+            # streams and ran 30% slower. The sums keep the order src[0] + src[1] + ...
+            # (as one running sum would), so results do not depend on the grouping.
             # Unsigned indices let LLVM vectorise (no negative-index wrap-around).
-            s = numba.carray(C.address_as_pointer(src_addrs[0, t] + lo * size, proto), (m,))
-            for i in range(np.uint64(m)):
-                acc[i] = load(s, i)
-            for k in range(1, n_src):
-                s = numba.carray(C.address_as_pointer(src_addrs[k, t] + lo * size, proto), (m,))
-                for i in range(np.uint64(m)):
-                    acc[i] += load(s, i)
+            k = 0
+            while k < n_src:
+                g = min(4, n_src - k)
+                s0 = numba.carray(C.address_as_pointer(src_addrs[k, t] + off, proto), (m,))
+                s1 = numba.carray(C.address_as_pointer(src_addrs[k + min(1, g - 1), t] + off, proto), (m,))
+                s2 = numba.carray(C.address_as_pointer(src_addrs[k + min(2, g - 1), t] + off, proto), (m,))
+                s3 = numba.carray(C.address_as_pointer(src_addrs[k + min(3, g - 1), t] + off, proto), (m,))
+                if k == 0:
+                    if g == 4:
+                        for i in range(np.uint64(m)):
+                            acc[i] = load(s0, i) + load(s1, i) + load(s2, i) + load(s3, i)
+                    elif g == 3:
+                        for i in range(np.uint64(m)):
+                            acc[i] = load(s0, i) + load(s1, i) + load(s2, i)
+                    elif g == 2:
+                        for i in range(np.uint64(m)):
+                            acc[i] = load(s0, i) + load(s1, i)
+                    else:
+                        for i in range(np.uint64(m)):
+                            acc[i] = load(s0, i)
+                elif g == 4:
+                    for i in range(np.uint64(m)):
+                        acc[i] = acc[i] + load(s0, i) + load(s1, i) + load(s2, i) + load(s3, i)
+                elif g == 3:
+                    for i in range(np.uint64(m)):
+                        acc[i] = acc[i] + load(s0, i) + load(s1, i) + load(s2, i)
+                elif g == 2:
+                    for i in range(np.uint64(m)):
+                        acc[i] = acc[i] + load(s0, i) + load(s1, i)
+                else:
+                    for i in range(np.uint64(m)):
+                        acc[i] += load(s0, i)
+                k += g
             if stream:
                 # The accumulator row has the storage type: stream it out, skipping the
                 # read-for-ownership of each destination line (K + 1 passes over memory
                 # instead of K + 2).
-                C.copy_bytes(dst_addrs[t] + lo * size, np.int64(acc.ctypes.data), m * size, True)
+                C.copy_bytes(dst_addrs[t] + off, np.int64(acc.ctypes.data), m * size, True)
                 C.store_fence()
             else:
-                d = numba.carray(C.address_as_pointer(dst_addrs[t] + lo * size, proto), (m,))
+                d = numba.carray(C.address_as_pointer(dst_addrs[t] + off, proto), (m,))
                 for i in range(np.uint64(m)):
                     store(d, i, acc[i])
 
