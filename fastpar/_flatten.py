@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.graph import increment_version
 
-from . import _dispatch, _tuning
+from . import _alloc, _dispatch, _tuning
 from ._fastcheck import increment_versions
 from ._plan import plan_for
 from ._validate import (
@@ -84,7 +84,7 @@ def flatten(tensors, *, dtype=None, scale=None, out=None):
     for g in plan.groups:
         check_conversion(g.dtype, dtype, scale, "flatten")
     if out is None:
-        out = torch.empty(plan.numel, dtype=dtype, device=plan.device)
+        out = _alloc.empty(plan.numel, dtype=dtype, device=plan.device)
     else:
         check_flat(out, "out", numel=plan.numel, dtype=dtype, device=plan.device)
         check_no_overlap(plan, out, "out", "tensors")

@@ -32,7 +32,7 @@ import weakref
 import numpy as np
 import torch
 
-from . import _cuda, _dispatch, _tuning
+from . import _alloc, _cuda, _dispatch, _tuning
 from ._fastcheck import increment_versions
 from ._flatten import byte_layout, byte_views, flatten, pack_bytes, region, split_views
 from ._plan import ReduceGroup, plan_for
@@ -200,10 +200,13 @@ def broadcast_coalesced(tensors, devices, buffer_size=_DEFAULT_BUFFER):
     if len(devs) == 1:
         return result
     layout, nbytes = byte_layout(plan)
-    src = torch.empty(nbytes, dtype=torch.uint8, device=plan.device)
+    src = _alloc.empty(nbytes, dtype=torch.uint8, device=plan.device)
     pack_bytes(plan, src, layout)
     for d in devs[1:]:
-        buf = src.to(d, copy=True, non_blocking=d.type == "cuda")
+        if d.type == "cpu":
+            buf = _alloc.empty(nbytes, dtype=torch.uint8, device=d).copy_(src)
+        else:
+            buf = src.to(d, copy=True, non_blocking=True)
         result.append(byte_views(buf, plan, layout))
     return result
 
@@ -339,7 +342,7 @@ def _result_buffers(plan, dst, buffer_size: int):
         a = np.empty(len(g.numels), dtype=np.int64)
         views = []
         for lo, hi, numel, local, sizes, not_1d in chunks:
-            buf = torch.empty(numel, dtype=g.dtype, device=dst)
+            buf = _alloc.empty(numel, dtype=g.dtype, device=dst)
             a[lo:hi] = buf.data_ptr() + local
             views.extend(split_views(buf, sizes, not_1d, autograd_views=False))
         if len(plan.groups) == 1:  # one dtype: the group is the plan, in order
@@ -580,7 +583,7 @@ def gather(tensors, dim=0, destination=None, *, out=None):
             dst = torch.device("cpu") if devs[0].type == "cpu" else torch.device("cuda", torch.cuda.current_device())
         else:
             dst = _device(destination, "destination")
-        out = torch.empty(shape, dtype=t0.dtype, device=dst)
+        out = _alloc.empty(shape, dtype=t0.dtype, device=dst)
     if dim == 0 and out.is_contiguous() and all(t.device == dst for t in ts) and out.numel():
         # Rows of a contiguous result along dim 0 are the inputs laid end to end: one
         # flatten launch instead of one copy per input.

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.autograd.graph import increment_version
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from . import _dispatch, _tuning
+from . import _alloc, _dispatch, _tuning
 from ._flatten import flatten, unflatten_into
 from ._plan import Group, plan_for, transient_tensors
 from ._validate import FLOAT_DTYPES, check_conversion
@@ -675,7 +675,7 @@ def sync_params(module, src: int = 0, process_group=None) -> None:
         numel = sum(w.numel() for w in ws)
         if numel == 0:
             continue
-        flat = torch.empty(numel, dtype=dtype, device=dev)
+        flat = _alloc.empty(numel, dtype=dtype, device=dev)
         if me == src:
             _pack(ws, flat)
         dist.broadcast(flat, src=src, group=group)

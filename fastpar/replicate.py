@@ -19,7 +19,7 @@ from collections import OrderedDict
 import torch
 from torch.nn.parallel.replicate import _replicatable_module
 
-from . import comm, rnn
+from . import _alloc, comm, rnn
 from ._flatten import byte_layout, byte_views, pack_bytes
 from ._functions import Broadcast
 from ._plan import plan_for
@@ -46,7 +46,7 @@ class _BufferPool:
             # reference to the storage: at the count it had when new, none is left.
             if buf.numel() == nbytes and buf.device == device and _use_count(buf) == idle_count:
                 return buf
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        buf = _alloc.empty(nbytes, dtype=torch.uint8, device=device)
         self._slots[key] = (buf, _use_count(buf))
         self.allocations += 1
         return buf

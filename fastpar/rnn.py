@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.autograd.graph import increment_version
 
-from . import _dispatch, _tuning
+from . import _alloc, _dispatch, _tuning
 from ._flatten import _staged_groups
 from ._plan import Group, plan_for
 from ._validate import check_conversion
@@ -440,7 +440,7 @@ def _pack(weights, layout: RNNLayout, out, cache: bool, more_outs=()) -> torch.T
         if i >= 0:
             raise ValueError(f"{name} overlaps the memory of weights[{i}] ({layout.names[i]}); it must be a separate buffer")
     if out is None:
-        out = torch.empty(layout.numel, dtype=layout.dtype, device=layout.device)
+        out = _alloc.empty(layout.numel, dtype=layout.dtype, device=layout.device)
     outs = [out, *more_outs]
     groups, _ = _staged_groups(plan, fill=True)
     (g,) = groups
