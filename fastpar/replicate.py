@@ -140,11 +140,37 @@ def _layout_fields(layout) -> dict:
         "dtype", "device", "names", "shapes", "offsets", "numel", "source")}
 
 
-def _rnn_groups(network, tensors):
+def _members(modules, kind: str) -> list:
+    """``network.parameters()`` (``kind="_parameters"``) or ``network.buffers()``
+    (``"_buffers"``) from the list of ``network.modules()``: the same tensors in the same
+    order, each once, without another walk of the module tree."""
+    seen, out = set(), []
+    for m in modules:
+        for t in m.__dict__[kind].values():
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                out.append(t)
+    return out
+
+
+def _plain_members(network) -> bool:
+    """True if ``network``'s class lists its modules, parameters and buffers as
+    ``torch.nn.Module`` does (so :func:`_members` gives what torch's replicate sees)."""
+    cls, base = type(network), torch.nn.Module
+    return all(getattr(cls, name) is getattr(base, name) for name in (
+        "modules", "named_modules", "parameters", "named_parameters", "buffers", "named_buffers", "_named_members"))
+
+
+def _member_name(network, t) -> str:
+    """The qualified name of parameter or buffer ``t`` (for error messages)."""
+    return next((n for n, x in (*network.named_parameters(), *network.named_buffers()) if x is t), "?")
+
+
+def _rnn_groups(modules, tensors):
     """RNN modules whose weights are all among ``tensors``, with their positions."""
     index = {id(t): i for i, t in enumerate(tensors)}
     groups = []
-    for m in network.modules():
+    for m in modules:
         if isinstance(m, torch.nn.RNNBase):
             weights = [getattr(m, n, None) for n in m._flat_weights_names]
             if weights and all(w is not None and id(w) in index for w in weights) \
@@ -180,15 +206,22 @@ def replicate(network, devices, detach=False):
     Gradients of the replicas' parameters flow back into ``network``'s through one fused
     reduce-add launch per dtype (Broadcast's backward).
     """
-    if not _replicatable_module(network):
+    modules = list(network.modules())  # one walk of the tree serves every step below
+    if any(isinstance(m, torch.jit.ScriptModule) for m in modules) and not _replicatable_module(network):
         raise RuntimeError("Cannot replicate network where python modules are children of ScriptModule")
     if not devices:
         return []
     devs = comm._devices(devices, "devices")
     num_replicas = len(devs)
-    for kind, tensors in (("parameter", network.named_parameters()), ("buffer", network.named_buffers())):
-        for name, t in tensors:
+    if _plain_members(network):
+        params = _members(modules, "_parameters")
+        buffers = _members(modules, "_buffers")
+    else:  # the class changes how its tensors are listed: ask it, as torch does
+        params, buffers = list(network.parameters()), list(network.buffers())
+    for kind, tensors in (("parameter", params), ("buffer", buffers)):
+        for t in tensors:
             if t.device != devs[0]:
+                name = _member_name(network, t)
                 raise RuntimeError(
                     f"replicate: network's {kind} {name!r} is on {t.device}, but every parameter and "
                     f"buffer must be on devices[0] ({devs[0]})"
@@ -197,11 +230,9 @@ def replicate(network, devices, detach=False):
     if pool is None:
         pool = _POOLS[network] = _BufferPool()
 
-    params = list(network.parameters())
     param_indices = {p: i for i, p in enumerate(params)}
-    param_copies = _broadcast(params, _Placement(devs, pool, "params", _rnn_groups(network, params)), detach)
+    param_copies = _broadcast(params, _Placement(devs, pool, "params", _rnn_groups(modules, params)), detach)
 
-    buffers = list(network.buffers())
     buffers_rg = [b for b in buffers if b.requires_grad and not detach]
     buffers_not_rg = [b for b in buffers if not (b.requires_grad and not detach)]
     idx_rg = {b: i for i, b in enumerate(buffers_rg)}
@@ -209,7 +240,6 @@ def replicate(network, devices, detach=False):
     copies_rg = _broadcast(buffers_rg, _Placement(devs, pool, "buffers_rg"), detach)
     copies_not_rg = _broadcast(buffers_not_rg, _Placement(devs, pool, "buffers"), True)
 
-    modules = list(network.modules())
     module_copies = [[] for _ in devs]
     module_indices = {}
     for i, module in enumerate(modules):

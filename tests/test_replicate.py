@@ -133,3 +133,55 @@ def test_replicate_bad_input():
     with pytest.raises(ValueError, match="must not repeat a CUDA device"):
         replicate(nn.Linear(2, 2), [0, 0])
     assert replicate(nn.Linear(2, 2), []) == []
+
+
+class _Tied(nn.Module):
+    """A tied weight (one Parameter in two modules), a None parameter and buffer, and a
+    module reached twice: what network.parameters()/buffers() deduplicate."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4, bias=False)
+        self.b.weight = self.a.weight
+        self.shared = nn.BatchNorm1d(4)
+        self.again = self.shared
+        self.register_buffer("nothing", None)
+        self.register_parameter("absent", None)
+
+    def forward(self, x):
+        return self.again(self.b(self.a(x)))
+
+
+def test_replicate_lists_tensors_as_torch_does():
+    from fastpar.replicate import _members
+    net = _Tied()
+    modules = list(net.modules())
+    assert _members(modules, "_parameters") == list(net.parameters())
+    assert [id(b) for b in _members(modules, "_buffers")] == [id(b) for b in net.buffers()]
+    reps = replicate(net, ["cpu", "cpu"])
+    x = torch.randn(5, 4)
+    net.eval()
+    for r in reps:
+        r.eval()
+        assert torch.allclose(r(x), net(x))
+    assert reps[1].b.weight is reps[1].a.weight, "a tied weight must stay tied in the replica"
+
+
+def test_replicate_asks_a_class_that_lists_its_own_parameters():
+    from fastpar.replicate import _plain_members
+
+    class Listed(nn.Module):
+        # Overrides parameters(): replicate must call it, as torch's does, rather than
+        # read the modules' _parameters itself.
+        def __init__(self):
+            super().__init__()
+            self.keep = nn.Parameter(torch.ones(3))
+
+        def parameters(self, recurse=True):
+            yield self.keep
+
+    net = Listed()
+    assert not _plain_members(net) and _plain_members(nn.Linear(2, 2))
+    reps = replicate(net, ["cpu", "cpu"])
+    assert torch.equal(reps[1].keep, net.keep) and reps[1].keep.data_ptr() != net.keep.data_ptr()
