@@ -407,8 +407,8 @@ class ReduceGroup:
     #: int64 ``[N]``: elements per tensor.
     numels: np.ndarray
     #: The memory behind the addresses, which must stay alive until the kernel has run:
-    #: per source (and for the destination) either the N tensors themselves or one 1-D
-    #: buffer holding them end to end. The torch backend computes on them.
+    #: per source (and for the destination) either the N tensors themselves (a sequence)
+    #: or one 1-D buffer holding them end to end. The torch backend computes on them.
     sources: list
     destinations: object
     #: Chunk-map cache shared with a plan group of the same numels.

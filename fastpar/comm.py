@@ -307,7 +307,7 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
         dst_addr, dst_tensors, result = _result_buffers(plans[0], dst, buffer_size)
     else:
         dst_addr = [g.addrs for g in out_plan.groups]
-        dst_tensors = [list(g.tensors) for g in out_plan.groups]
+        dst_tensors = [g.tensors for g in out_plan.groups]
     sources, keep_alive = _source_addresses(plans, dst, path)
     if dst.type == "cuda":
         _cuda.wait_for(dst, devs)
@@ -445,7 +445,7 @@ def _source_addresses(plans, dst, path):
             keep.append([region(buf, g, off) for g, off in zip(p.groups, layout)])
         else:
             addrs.append([g.addrs for g in p.groups])
-            keep.append([list(g.tensors) for g in p.groups])
+            keep.append([g.tensors for g in p.groups])  # the plan's own tuples: no copy
     return addrs, keep
 
 
