@@ -552,3 +552,48 @@ def test_forked_child_can_use_cached_plans_and_kernels(size):
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, (
         f"child exit status {status} (signal {os.WTERMSIG(status) if os.WIFSIGNALED(status) else None})"
     )
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("to_flat", [True, False], ids=["flatten", "unflatten_into"])
+def test_numba_streamed_plain_copy(dtype, to_flat):
+    # Numba copies without cast or scale writing 16 MiB+ use streaming stores: forced on
+    # here for small sizes, with the flat side at every misalignment, so the unaligned
+    # head and tail of each piece are covered; poisoned margins show stray writes.
+    from fastpar import _dispatch
+    from fastpar._plan import plan_for
+
+    ts = [rand(s, dtype) for s in SHAPE_SETS["odd"]] + [rand((70_001,), dtype)]
+    total = sum(t.numel() for t in ts)
+    _, launch = _dispatch.kernel("flatten" if to_flat else "unflatten_into", torch.device("cpu"))
+    with fastpar.use_backend("numba"):
+        for k in range(4):
+            backing = poison_(torch.empty(total + 5, dtype=dtype))
+            flat = backing[k : k + total]
+            if to_flat:
+                (g,) = plan_for(ts, "tensors").groups
+                launch(g, flat, None, stream_min_bytes=0, parallel_min_bytes=0, chunk=4096)
+                assert torch.equal(flat, ref_flat(ts)), f"offset {k}: flat differs"
+            else:
+                flat.copy_(ref_flat([rand(t.shape, dtype) for t in ts]))
+                dst = [poison_(torch.empty_like(t)) for t in ts]
+                (g,) = plan_for(dst, "tensors").groups
+                launch(g, flat, None, stream_min_bytes=0, parallel_min_bytes=0, chunk=4096)
+                assert torch.equal(ref_flat(dst), flat), f"offset {k}: tensors differ"
+            margin = torch.cat([backing[:k], backing[k + total :]])
+            unwritten = margin.isnan() if dtype.is_floating_point else margin == poison_(margin.clone())
+            assert unwritten.all(), f"offset {k}: wrote outside the flat buffer"
+
+
+def test_large_plain_copies_stream_correctly():
+    # Over 16 MiB through the public API (the streamed path), odd sizes, misaligned.
+    ts = [rand((4_500_001,), torch.float32), rand((3,), torch.float32), rand((129, 7), torch.float32)]
+    total = sum(t.numel() for t in ts)
+    backing = poison_(torch.empty(total + 2))
+    out = backing[1 : 1 + total]
+    fastpar.flatten(ts, out=out)
+    assert torch.equal(out, ref_flat(ts)) and backing[0].isnan() and backing[-1].isnan()
+    dst = [poison_(torch.empty_like(t)) for t in ts]
+    fastpar.unflatten_into(out, dst)
+    for i, (d, t) in enumerate(zip(dst, ts)):
+        assert torch.equal(d, t), f"tensors[{i}] differs"

@@ -21,14 +21,15 @@ DEFAULT_CHUNK = 65536
 #: more than it saves, and on a busy machine a parallel region can wait a whole
 #: scheduler quantum (~4-8 ms) for a descheduled worker.
 DEFAULT_PARALLEL_MIN_BYTES = 4 << 20
-#: ``broadcast`` calls writing at least this many bytes use streaming stores (half the
+#: Plain copies (flatten and unflatten_into without cast or scale, and broadcast)
+#: writing at least this many bytes use streaming stores (half the
 #: 32 MiB L3 of the machine it was measured on: smaller results may still be in cache
 #: when they are next read).
 DEFAULT_STREAM_MIN_BYTES = 16 << 20
 
 
 @functools.cache
-def _copy_kernel_for(src_kind: str, dst_kind: str, scaled: bool, to_flat: bool, parallel: bool):
+def _copy_kernel_for(src_kind: str, dst_kind: str, scaled: bool, to_flat: bool, parallel: bool, stream: bool):
     load = C.LOADS[src_kind]
     store = C.STORES[dst_kind]
 
@@ -57,6 +58,13 @@ def _copy_kernel_for(src_kind: str, dst_kind: str, scaled: bool, to_flat: bool, 
             else:
                 src_addr = flat_addr + (offsets[t] + lo) * src_size
                 dst_addr = addrs[t] + lo * dst_size
+            if stream:
+                # A large plain copy (same dtype, no scale; the bits move unchanged):
+                # streaming stores skip reading each destination line first, a third
+                # less memory traffic than a cached copy.
+                C.copy_bytes(dst_addr, src_addr, m * src_size, True)
+                C.store_fence()  # before this worker reports the block done
+                continue
             s = numba.carray(C.address_as_pointer(src_addr, src_proto), (m,))
             d = numba.carray(C.address_as_pointer(dst_addr, dst_proto), (m,))
             # Unsigned indices: Numba skips negative-index wrap-around for them, which
@@ -71,7 +79,8 @@ def _copy_kernel_for(src_kind: str, dst_kind: str, scaled: bool, to_flat: bool, 
 
 
 def bind_copy(group, flat: torch.Tensor, scale, to_flat: bool, *, chunk: int = DEFAULT_CHUNK,
-              parallel_min_bytes: int = DEFAULT_PARALLEL_MIN_BYTES):
+              parallel_min_bytes: int = DEFAULT_PARALLEL_MIN_BYTES,
+              stream_min_bytes: int = DEFAULT_STREAM_MIN_BYTES):
     """The launch :func:`flatten` (``to_flat``) or :func:`unflatten_into` would make,
     with every argument resolved: a callable taking no arguments that runs it (and
     counts it), or None when ``group`` has nothing to copy.
@@ -84,7 +93,10 @@ def bind_copy(group, flat: torch.Tensor, scale, to_flat: bool, *, chunk: int = D
     src_kind, src_np = C.storage(src_dtype, raw)
     dst_kind, dst_np = C.storage(dst_dtype, raw)
     parallel = group.numel * (src_dtype.itemsize + dst_dtype.itemsize) >= parallel_min_bytes and C.parallel_ok()
-    kernel = _copy_kernel_for(src_kind, dst_kind, scale is not None, to_flat, parallel)
+    # Streamed only from stream_min_bytes: smaller results may still be in cache when
+    # next read, and for small tensors the inline typed loop beats a memcpy call each.
+    stream = raw and C.HAS_STREAM and group.numel * dst_dtype.itemsize >= stream_min_bytes
+    kernel = _copy_kernel_for(src_kind, dst_kind, scale is not None, to_flat, parallel, stream)
     block_tensor, block_start = group.blocks(chunk)
     if len(block_tensor) == 0:
         return None
@@ -104,24 +116,30 @@ def bind_copy(group, flat: torch.Tensor, scale, to_flat: bool, *, chunk: int = D
     return run
 
 
-def _launch_copy(group, flat: torch.Tensor, scale, to_flat: bool, chunk: int, parallel_min_bytes: int) -> None:
-    run = bind_copy(group, flat, scale, to_flat, chunk=chunk, parallel_min_bytes=parallel_min_bytes)
+def _launch_copy(group, flat: torch.Tensor, scale, to_flat: bool, chunk: int, parallel_min_bytes: int,
+                 stream_min_bytes: int) -> None:
+    run = bind_copy(group, flat, scale, to_flat, chunk=chunk, parallel_min_bytes=parallel_min_bytes,
+                    stream_min_bytes=stream_min_bytes)
     if run is not None:
         run()
 
 
 def flatten(group, out: torch.Tensor, scale: float | None, *, chunk: int = DEFAULT_CHUNK,
-            parallel_min_bytes: int = DEFAULT_PARALLEL_MIN_BYTES) -> None:
+            parallel_min_bytes: int = DEFAULT_PARALLEL_MIN_BYTES,
+            stream_min_bytes: int = DEFAULT_STREAM_MIN_BYTES) -> None:
     """Copy every tensor of ``group`` into ``out[offset : offset + numel]``, cast to
-    ``out.dtype`` and multiplied by ``scale`` when given. One launch."""
-    _launch_copy(group, out, scale, True, chunk, parallel_min_bytes)
+    ``out.dtype`` and multiplied by ``scale`` when given. One launch. A plain copy (same
+    dtype, no scale) writing ``stream_min_bytes`` or more uses streaming stores."""
+    _launch_copy(group, out, scale, True, chunk, parallel_min_bytes, stream_min_bytes)
 
 
 def unflatten_into(group, flat: torch.Tensor, scale: float | None, *, chunk: int = DEFAULT_CHUNK,
-                   parallel_min_bytes: int = DEFAULT_PARALLEL_MIN_BYTES) -> None:
+                   parallel_min_bytes: int = DEFAULT_PARALLEL_MIN_BYTES,
+                   stream_min_bytes: int = DEFAULT_STREAM_MIN_BYTES) -> None:
     """Copy ``flat[offset : offset + numel]`` into every tensor of ``group``, cast to
-    the group's dtype and multiplied by ``scale`` when given. One launch."""
-    _launch_copy(group, flat, scale, False, chunk, parallel_min_bytes)
+    the group's dtype and multiplied by ``scale`` when given. One launch. A plain copy
+    writing ``stream_min_bytes`` or more uses streaming stores."""
+    _launch_copy(group, flat, scale, False, chunk, parallel_min_bytes, stream_min_bytes)
 
 
 @functools.cache
