@@ -9,6 +9,7 @@ Compare two saved runs: ``pytest-benchmark compare results/benchmarks/a.json res
 from __future__ import annotations
 
 import collections
+import time
 import warnings
 
 
@@ -19,10 +20,29 @@ BASELINE = "torch"
 CEILING = "copy_"
 
 
+#: Warm-up, the same for every provider: at least two calls, and as many more as fit in
+#: this many seconds (at most 100), so that the rounds measure the steady state of a
+#: loop. Two calls were not enough on the VM these figures come from:
+#: * after a switch of workload, a 0.2 ms call of the tiny tensors took 0.6-0.9 ms for
+#:   its first 3-6 calls (caches and TLB refilled) before settling;
+#: * the guest returns free memory to the host (virtio-balloon free page reporting)
+#:   about two seconds after it is freed, so a call that allocates 100+ MB after a pause
+#:   takes host-side faults on its first 3-5 rounds (a fastpar LSTM pack: 140-180 ms,
+#:   then 12 ms; a loop that allocates every step never pauses that long).
+WARMUP_S = 0.5
+
+
 def measure(benchmark, fn, nbytes: int, *, rounds: int = 10, setup=None):
-    """Time ``fn`` (median of ``rounds`` after two warm-up calls) and record GB/s, where
-    ``nbytes`` counts bytes read plus written."""
-    benchmark.pedantic(fn, setup=setup, rounds=rounds, warmup_rounds=2, iterations=1)
+    """Time ``fn`` (median of ``rounds`` after the warm-up above; every provider of a
+    group gets the same) and record GB/s, where ``nbytes`` counts bytes read plus
+    written."""
+    calls, deadline = 0, time.perf_counter() + WARMUP_S
+    while calls < 2 or (time.perf_counter() < deadline and calls < 100):
+        if setup is not None:
+            setup()
+        fn()
+        calls += 1
+    benchmark.pedantic(fn, setup=setup, rounds=rounds, warmup_rounds=0, iterations=1)
     median = benchmark.stats.stats.median
     benchmark.extra_info["bytes"] = nbytes
     benchmark.extra_info["GB/s"] = round(nbytes / median / 1e9, 3)

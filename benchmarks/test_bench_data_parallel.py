@@ -2,7 +2,7 @@
 torch's own algorithm replayed on CPU tensors (torch.nn.parallel refuses CPU devices):
 ``_take_tensors`` buckets flattened by ``torch.cat`` into fresh buffers on every call,
 one copy per device, unflattened views; in backward, per-bucket flattens and pairwise
-adds. Steady state: two warm-up iterations first."""
+adds. Steady state: warm-up calls first (``conftest.WARMUP_S``, at least two)."""
 from __future__ import annotations
 
 import warnings
