@@ -18,10 +18,11 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import threading
 
 import torch
 
-__all__ = ["empty"]
+__all__ = ["empty", "ResultCache"]
 
 _MADV_HUGEPAGE = 14  # <linux/mman.h>, the same on every Linux architecture
 _HUGE = 2 << 20  # x86-64 and arm64 (4 KiB base pages) PMD size
@@ -64,3 +65,68 @@ def empty(size, *, dtype: torch.dtype, device) -> torch.Tensor:
     t = torch.empty(size, dtype=dtype, device=device)
     advise_huge_pages(t)
     return t
+
+
+def _use_count(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+class ResultCache:
+    """Host result buffers handed out again once nothing refers to them, as DDP keeps
+    its bucket buffers and torch's CUDA caching allocator keeps blocks.
+
+    ``reduce_add_coalesced`` returns new tensors every call; in a training loop the
+    previous call's results (last step's gradients) are gone by the next call, and
+    refilling their buffer costs no page fault at all, where a new one costs faults
+    (huge pages or not) and, on a VM that returns free memory to its host, host-side
+    faults too. A buffer is reused only when its storage is referenced by this cache
+    alone (no result, view, ``.grad`` or saved tensor left), so no live tensor ever
+    sees its memory change.
+
+    At most ``per_key`` buffers are kept per (dtype, numel) and ``max_bytes`` in all
+    (least recently used keys dropped first: their memory is freed once their results
+    die). ``FASTPAR_RESULT_CACHE_MB`` sets ``max_bytes`` (0 turns the cache off);
+    :meth:`clear` drops every buffer.
+    """
+
+    def __init__(self, max_bytes: int | None = None, per_key: int = 2) -> None:
+        if max_bytes is None:
+            max_bytes = int(float(os.environ.get("FASTPAR_RESULT_CACHE_MB", "1024")) * (1 << 20))
+        self.max_bytes = max_bytes
+        self.per_key = per_key
+        self._slots: dict = {}  # (dtype, numel) -> [(buf, idle use count)], oldest key first
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def empty(self, numel: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, bool]:
+        """A 1-D host buffer of ``numel`` elements and whether it is a reused one (its
+        pages already mapped); other devices get :func:`empty` (their allocators cache).
+
+        The tensor returned is a new view of the buffer: while the caller holds it (or
+        anything made from it), the buffer counts as in use, so two threads never get
+        the same one."""
+        device = torch.device(device)
+        nbytes = numel * dtype.itemsize
+        if device.type != "cpu" or nbytes > self.max_bytes or nbytes < _MIN_BYTES:
+            return empty(numel, dtype=dtype, device=device), False
+        key = (dtype, numel)
+        with self._lock:
+            slots = self._slots.pop(key, [])
+            self._slots[key] = slots  # most recently used last
+            for buf, idle in slots:
+                if _use_count(buf) == idle:
+                    return buf.view(-1), True
+            buf = empty(numel, dtype=dtype, device=device)
+            if len(slots) < self.per_key:
+                slots.append((buf, _use_count(buf)))
+                self._bytes += nbytes
+                while self._bytes > self.max_bytes:
+                    old_key = next(iter(self._slots))
+                    self._bytes -= sum(b.numel() * b.element_size() for b, _ in self._slots.pop(old_key))
+            return buf.view(-1), False
+
+    def clear(self) -> None:
+        """Drop every kept buffer (their memory is freed once their results are gone)."""
+        with self._lock:
+            self._slots.clear()
+            self._bytes = 0

@@ -282,8 +282,9 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
             the source module); they must not overlap the inputs.
 
     Returns:
-        A list of tensors on ``destination``, in input order: ``out`` if given, else views
-        of one new buffer. 16-bit floats are accumulated in float32 and rounded once.
+        A list of tensors on ``destination``, in input order: ``out`` if given, else
+        pieces of one new buffer per dtype (separate tensors, not autograd views of that
+        buffer). 16-bit floats are accumulated in float32 and rounded once.
     """
     _check_buffer_size(buffer_size)
     if not isinstance(inputs, (list, tuple)) or not inputs:
@@ -304,10 +305,11 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
         path = "peer" if _cuda.enable_peer_access(dst, devs) else "staged"
     log.debug("reduce_add_coalesced: %d sources -> %s, %s path", len(plans), dst, path)
     if out is None:
-        dst_addr, dst_tensors, result = _result_buffers(plans[0], dst, buffer_size)
+        dst_addr, dst_tensors, result, fresh = _result_buffers(plans[0], dst)
     else:
         dst_addr = [g.addrs for g in out_plan.groups]
         dst_tensors = [g.tensors for g in out_plan.groups]
+        fresh = [False] * len(out_plan.groups)
     sources, keep_alive = _source_addresses(plans, dst, path)
     if dst.type == "cuda":
         _cuda.wait_for(dst, devs)
@@ -315,7 +317,7 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
     for gi, g in enumerate(plans[0].groups):
         group = ReduceGroup(
             g.dtype, dst, np.stack([s[gi] for s in sources]), dst_addr[gi], g.numels,
-            [kept[gi] for kept in keep_alive], dst_tensors[gi], g._blocks, fresh=out is None,
+            [kept[gi] for kept in keep_alive], dst_tensors[gi], g._blocks, fresh=fresh[gi],
         )
         launch(group, **_tuning.params("reduce_add", backend, g.dtype, g.dtype, g.numel))
     if dst.type == "cuda":
@@ -326,60 +328,50 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
     return result
 
 
-def _result_buffers(plan, dst, buffer_size: int):
+def _result_buffers(plan, dst):
     """New result tensors for ``plan``'s positions on ``dst``: per dtype group, their
     addresses and the tensors, and all of them in plan order.
 
-    They are pieces of buffers each holding the tensors that start in one ``buffer_size``
-    window (so a buffer exceeds ``buffer_size`` by at most its last tensor), as torch's
-    buckets are small: the allocator recycles such blocks from call to call, where one
-    buffer of hundreds of MB would be mapped, and page-faulted, afresh each call (which
-    costs more than the reduction itself on a CPU).
+    Each dtype group's results are pieces of one buffer: on the CPU, one that an
+    earlier call's results no longer use (:class:`fastpar._alloc.ResultCache`), else a
+    new one on huge pages. Buffers of at most ``buffer_size`` (torch's buckets) left to
+    glibc were tried: it recycled them without a fault on some calls and returned them to
+    the kernel on others (heap trimming), so a K=2 Transformer reduction took 27 ms or
+    200 ms from one call to the next; a new buffer on huge pages every call took 37-60 ms
+    at K=4. The last item says, per group, whether the buffer is a new one.
     """
     result = [None] * len(plan.tensors)
-    addrs, per_group = [], []
-    for g, chunks in zip(plan.groups, _result_chunks(plan, buffer_size)):
-        a = np.empty(len(g.numels), dtype=np.int64)
-        views = []
-        for lo, hi, numel, local, sizes, not_1d in chunks:
-            buf = _alloc.empty(numel, dtype=g.dtype, device=dst)
-            a[lo:hi] = buf.data_ptr() + local
-            views.extend(split_views(buf, sizes, not_1d, autograd_views=False))
+    addrs, per_group, fresh = [], [], []
+    for g, (local, sizes, not_1d) in zip(plan.groups, _result_layout(plan)):
+        buf, reused = _RESULTS.empty(g.numel, g.dtype, dst)
+        fresh.append(not reused)
+        addrs.append(buf.data_ptr() + local)
+        views = split_views(buf, sizes, not_1d, autograd_views=False)
         if len(plan.groups) == 1:  # one dtype: the group is the plan, in order
             result = views
         else:
             for i, v in zip(g.index.tolist(), views):
                 result[i] = v
-        addrs.append(a)
         per_group.append(views)
-    return addrs, per_group, result
+    return addrs, per_group, result, fresh
 
 
-def _result_chunks(plan, buffer_size: int):
-    """Per group, the buffers :func:`_result_buffers` allocates (computed once per plan
-    and size): ``(lo, hi, numel, byte offsets, numels, [(j, shape) not 1-D])``."""
-    memo = plan.__dict__.setdefault("_result_chunks", {})
-    hit = memo.get(buffer_size)
+#: Result buffers of reduce_add_coalesced, refilled once their results are gone.
+_RESULTS = _alloc.ResultCache()
+
+
+def _result_layout(plan):
+    """Per group (computed once per plan): each result's byte offset in the group's
+    buffer, the results' numels, and ``(j, shape)`` for those that are not 1-D."""
+    hit = plan.__dict__.get("_result_layout")
     if hit is None:
         hit = []
         shapes = plan.shapes
         for g in plan.groups:
-            item = g.dtype.itemsize
-            start_bytes = g.local_offsets * item
-            # Tensors starting in the same buffer_size window share a buffer.
-            window = start_bytes // buffer_size
-            cuts = np.flatnonzero(np.diff(window)) + 1
-            bounds = np.concatenate([[0], cuts, [len(g.numels)]]).astype(np.int64)
-            chunks = []
-            for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
-                nums = g.numels[lo:hi]
-                local = np.zeros(hi - lo, dtype=np.int64)
-                np.cumsum(nums[:-1] * item, out=local[1:])
-                idx = g.index[lo:hi].tolist()
-                not_1d = [(j, shapes[i]) for j, i in enumerate(idx) if len(shapes[i]) != 1]
-                chunks.append((lo, hi, int(nums.sum()), local, nums.tolist(), not_1d))
-            hit.append(chunks)
-        memo[buffer_size] = hit
+            local = g.local_offsets * g.dtype.itemsize
+            not_1d = [(j, shapes[i]) for j, i in enumerate(g.index.tolist()) if len(shapes[i]) != 1]
+            hit.append((local, g.numels.tolist(), not_1d))
+        plan.__dict__["_result_layout"] = hit
     return hit
 
 

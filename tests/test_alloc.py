@@ -56,3 +56,112 @@ def test_large_buffer_gets_huge_pages():
 def test_env_switch_turns_it_off(monkeypatch):
     monkeypatch.setenv("FASTPAR_HUGE_PAGES", "0")
     assert _alloc._load_madvise() is None
+
+
+# ------------------------------------------------------------------------ ResultCache
+N = (_alloc._MIN_BYTES // 4) + 5  # float32 elements: just over the caching threshold
+
+
+def _storage_ptr(t):
+    return t.untyped_storage().data_ptr()
+
+
+def test_result_cache_reuses_a_buffer_once_nothing_refers_to_it():
+    cache = _alloc.ResultCache(max_bytes=1 << 30)
+    a, reused = cache.empty(N, torch.float32, "cpu")
+    assert not reused
+    ptr = _storage_ptr(a)
+    piece = a[10:20]
+    del a
+    b, reused = cache.empty(N, torch.float32, "cpu")  # `piece` still refers to the first
+    assert not reused and _storage_ptr(b) != ptr
+    del piece, b
+    c, reused = cache.empty(N, torch.float32, "cpu")
+    assert reused and _storage_ptr(c) == ptr  # the first kept buffer, free again
+
+
+def test_result_cache_never_hands_out_a_buffer_in_use():
+    cache = _alloc.ResultCache(max_bytes=1 << 30)
+    held = [cache.empty(N, torch.float32, "cpu")[0] for _ in range(4)]  # per_key=2 kept, 4 live
+    assert len({_storage_ptr(t) for t in held}) == 4
+    for t in held:
+        t.fill_(1.0)
+    fresh, _ = cache.empty(N, torch.float32, "cpu")
+    fresh.fill_(2.0)
+    assert all(bool((t == 1.0).all()) for t in held), "a live result's memory was handed out again"
+
+
+def test_result_cache_keys_on_dtype_and_size_and_keeps_small_or_other_devices_out():
+    cache = _alloc.ResultCache(max_bytes=1 << 30)
+    a, _ = cache.empty(N, torch.float32, "cpu")
+    ptr = _storage_ptr(a)
+    del a
+    b, reused = cache.empty(N, torch.int32, "cpu")
+    assert not reused
+    c, reused = cache.empty(N + 1, torch.float32, "cpu")
+    assert not reused
+    small, reused = cache.empty(10, torch.float32, "cpu")
+    assert not reused and cache._bytes == 3 * N * 4 + 4
+    d, reused = cache.empty(N, torch.float32, "cpu")
+    assert reused and _storage_ptr(d) == ptr
+
+
+def test_result_cache_limits_bytes_least_recently_used_first():
+    cache = _alloc.ResultCache(max_bytes=2 * N * 4)
+    a, _ = cache.empty(N, torch.float32, "cpu")
+    b, _ = cache.empty(N + 1, torch.float32, "cpu")  # over the limit: the oldest key goes
+    assert cache._bytes <= cache.max_bytes
+    del a, b
+    _, reused_b = cache.empty(N + 1, torch.float32, "cpu")
+    _, reused_a = cache.empty(N, torch.float32, "cpu")
+    assert reused_b and not reused_a
+    off = _alloc.ResultCache(max_bytes=0)
+    x, _ = off.empty(N, torch.float32, "cpu")
+    del x
+    assert not off.empty(N, torch.float32, "cpu")[1] and off._bytes == 0
+
+
+def test_reduce_results_reuse_their_buffer_only_when_dropped():
+    from fastpar import comm
+
+    comm._RESULTS.clear()
+    lists = [[torch.randn(N), torch.randn(3, 5)] for _ in range(3)]
+    r1 = comm.reduce_add_coalesced(lists, "cpu")
+    ptr, kept = _storage_ptr(r1[0]), r1[1].clone()
+    r2 = comm.reduce_add_coalesced(lists, "cpu")  # r1 alive: another buffer
+    assert _storage_ptr(r2[0]) != ptr and torch.equal(r1[1], kept)
+    expected = [sum(lst[i].double() for lst in lists).float() for i in range(2)]
+    del r1, r2
+    r3 = comm.reduce_add_coalesced(lists, "cpu")
+    assert _storage_ptr(r3[0]) == ptr, "the first call's buffer, free again, was not reused"
+    for got, want in zip(r3, expected):
+        torch.testing.assert_close(got, want)
+
+
+def test_result_cache_threads_never_share_a_live_buffer():
+    import threading
+
+    cache = _alloc.ResultCache(max_bytes=1 << 30, per_key=3)
+    live, errors, lock = {}, [], threading.Lock()
+
+    def worker(k):
+        for i in range(40):
+            buf, _ = cache.empty(N, torch.float32, "cpu")
+            ptr = _storage_ptr(buf)
+            with lock:
+                if ptr in live:
+                    errors.append(f"thread {k} got the buffer thread {live[ptr]} holds")
+                live[ptr] = k
+            buf[:100].fill_(k)
+            if not bool((buf[:100] == k).all()):
+                errors.append(f"thread {k}: its buffer was written by another thread")
+            with lock:
+                del live[ptr]
+            del buf
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
