@@ -22,7 +22,7 @@ import threading
 
 import torch
 
-__all__ = ["empty", "ResultCache"]
+__all__ = ["empty", "ResultCache", "use_count"]
 
 _MADV_HUGEPAGE = 14  # <linux/mman.h>, the same on every Linux architecture
 _HUGE = 2 << 20  # x86-64 and arm64 (4 KiB base pages) PMD size
@@ -67,7 +67,8 @@ def empty(size, *, dtype: torch.dtype, device) -> torch.Tensor:
     return t
 
 
-def _use_count(t: torch.Tensor) -> int:
+def use_count(t: torch.Tensor) -> int:
+    """References to ``t``'s storage (each tensor or storage object holding it counts)."""
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
@@ -114,11 +115,11 @@ class ResultCache:
             slots = self._slots.pop(key, [])
             self._slots[key] = slots  # most recently used last
             for buf, idle in slots:
-                if _use_count(buf) == idle:
+                if use_count(buf) == idle:
                     return buf.view(-1), True
             buf = empty(numel, dtype=dtype, device=device)
             if len(slots) < self.per_key:
-                slots.append((buf, _use_count(buf)))
+                slots.append((buf, use_count(buf)))
                 self._bytes += nbytes
                 while self._bytes > self.max_bytes:
                     old_key = next(iter(self._slots))

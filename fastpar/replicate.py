@@ -20,15 +20,12 @@ import torch
 from torch.nn.parallel.replicate import _replicatable_module
 
 from . import _alloc, comm, rnn
+from ._alloc import use_count
 from ._flatten import byte_layout, byte_views, pack_bytes
 from ._functions import Broadcast
 from ._plan import plan_for
 
 __all__ = ["replicate"]
-
-
-def _use_count(t: torch.Tensor) -> int:
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
 class _BufferPool:
@@ -44,10 +41,10 @@ class _BufferPool:
             buf, idle_count = slot
             # Every view (a replica's parameter, a tensor saved for backward) holds a
             # reference to the storage: at the count it had when new, none is left.
-            if buf.numel() == nbytes and buf.device == device and _use_count(buf) == idle_count:
+            if buf.numel() == nbytes and buf.device == device and use_count(buf) == idle_count:
                 return buf
         buf = _alloc.empty(nbytes, dtype=torch.uint8, device=device)
-        self._slots[key] = (buf, _use_count(buf))
+        self._slots[key] = (buf, use_count(buf))
         self.allocations += 1
         return buf
 
