@@ -92,8 +92,20 @@ def chunk_map(numels: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
     return tensor, start
 
 
+class _Numel:
+    """``numel``: the sum of ``numels``, taken once (they never change, and a launch
+    asks several times: summing 10,000 numels costs ~8 us each time)."""
+
+    @property
+    def numel(self) -> int:
+        hit = self.__dict__.get("_numel")
+        if hit is None:
+            hit = self.__dict__["_numel"] = int(self.numels.sum())
+        return hit
+
+
 @dataclass(eq=False)
-class Group:
+class Group(_Numel):
     """The tensors of one dtype within a plan: everything one launch needs."""
 
     dtype: torch.dtype
@@ -110,15 +122,6 @@ class Group:
     offsets: np.ndarray
     _blocks: dict = field(default_factory=dict, repr=False)
     _tables: dict = field(default_factory=dict, repr=False)
-
-    @property
-    def numel(self) -> int:
-        # Summed once (numels never change): a launch asks several times, and summing
-        # 10,000 numels costs ~8 us each time.
-        hit = self.__dict__.get("_numel")
-        if hit is None:
-            hit = self.__dict__["_numel"] = int(self.numels.sum())
-        return hit
 
     @property
     def local_offsets(self) -> np.ndarray:
@@ -186,7 +189,7 @@ class Group:
 
 
 @dataclass(eq=False)
-class Plan:
+class Plan(_Numel):
     """A list of same-device tensors laid end to end in one flat buffer."""
 
     tensors: tuple
@@ -210,15 +213,6 @@ class Plan:
     #: Metadata snapshot for the compiled re-check, or else a C++ guard (``_fastcheck``).
     meta: object = None
     guard: object = None
-
-    @property
-    def numel(self) -> int:
-        # Summed once (numels never change): a launch asks several times, and summing
-        # 10,000 numels costs ~8 us each time.
-        hit = self.__dict__.get("_numel")
-        if hit is None:
-            hit = self.__dict__["_numel"] = int(self.numels.sum())
-        return hit
 
     @property
     def shapes(self) -> tuple:
@@ -404,7 +398,7 @@ def clear_plan_cache() -> None:
 
 
 @dataclass(eq=False)
-class ReduceGroup:
+class ReduceGroup(_Numel):
     """One dtype group of a K-source reduction: ``dst[t] = sum_k src[k][t]``."""
 
     dtype: torch.dtype
@@ -428,15 +422,6 @@ class ReduceGroup:
     #: (Transformer, K=4), where the allocator hands back memory that is freshly mapped
     #: or still in cache.
     fresh: bool = False
-
-    @property
-    def numel(self) -> int:
-        # Summed once (numels never change): a launch asks several times, and summing
-        # 10,000 numels costs ~8 us each time.
-        hit = self.__dict__.get("_numel")
-        if hit is None:
-            hit = self.__dict__["_numel"] = int(self.numels.sum())
-        return hit
 
     @property
     def n_sources(self) -> int:
