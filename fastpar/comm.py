@@ -179,7 +179,8 @@ def broadcast_coalesced(tensors, devices, buffer_size=_DEFAULT_BUFFER):
 
     The tensors are flattened once on the source (one kernel launch per dtype), copied
     once to each other device, and returned there as views of that copy, so each
-    device's outputs share one contiguous storage.
+    device's outputs share one contiguous storage. For CPU replicas one launch per dtype
+    writes every copy directly.
 
     Args:
         tensors (sequence): tensors to broadcast; all must be on ``devices[0]``.
@@ -200,14 +201,16 @@ def broadcast_coalesced(tensors, devices, buffer_size=_DEFAULT_BUFFER):
     if len(devs) == 1:
         return result
     layout, nbytes = byte_layout(plan)
-    src = _alloc.empty(nbytes, dtype=torch.uint8, device=plan.device)
-    pack_bytes(plan, src, layout)
-    for d in devs[1:]:
-        if d.type == "cpu":
-            buf = _alloc.empty(nbytes, dtype=torch.uint8, device=d).copy_(src)
-        else:
-            buf = src.to(d, copy=True, non_blocking=True)
-        result.append(byte_views(buf, plan, layout))
+    if plan.device.type == "cpu":
+        # Host replicas (devices never mix kinds): one launch writes every copy, reading
+        # each tensor once, with no staging buffer on the source.
+        bufs = [_alloc.empty(nbytes, dtype=torch.uint8, device=d) for d in devs[1:]]
+        pack_bytes(plan, bufs, layout)
+    else:
+        src = _alloc.empty(nbytes, dtype=torch.uint8, device=plan.device)
+        pack_bytes(plan, src, layout)
+        bufs = [src.to(d, copy=True, non_blocking=True) for d in devs[1:]]
+    result.extend(byte_views(buf, plan, layout) for buf in bufs)
     return result
 
 
