@@ -41,8 +41,10 @@ def test_copy_unaligned_compiles_scalar(cc):
 def test_copy_conversions_compile_vectorised(cc, src, dst, scaled, to_flat):
     ptx = aot.compile_copy(cc, src=src, dst=dst, scaled=scaled, to_flat=to_flat)
     assert ".entry" in ptx
-    # Both sides are 16-byte aligned: the narrow side moves whole 128-bit vectors.
-    assert "ld.global.v4" in ptx or "ld.global.v2" in ptx, "expected vector loads"
+    # Both sides are 16-byte aligned: each moves whole 128-bit vectors (4 x 32 bits, or
+    # 2 x 64 bits for float64; 16-bit values travel packed in 32-bit lanes).
+    assert "ld.global.v4.b32" in ptx or "ld.global.v2.b64" in ptx, "expected 128-bit vector loads"
+    assert "st.global.v4.b32" in ptx or "st.global.v2.b64" in ptx, "expected 128-bit vector stores"
 
 
 @pytest.mark.parametrize("cc", CCS)

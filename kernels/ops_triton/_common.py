@@ -77,21 +77,6 @@ class Kernel:
 
 
 @triton.jit
-def block_piece(table, n_tensors):
-    """This program's piece of the chunk map in a pointer table laid out as
-    ``addrs[N] | numels[N] | offsets[N] | block_start[B] | block_tensor[B]``:
-    ``(t, start, addr, n)``, the tensor it works on, the first element of its piece, the
-    tensor's address and its numel."""
-    pid = tl.program_id(0).to(tl.int64)
-    n_blocks = tl.num_programs(0).to(tl.int64)
-    t = tl.load(table + 3 * n_tensors + n_blocks + pid)
-    start = tl.load(table + 3 * n_tensors + pid)
-    addr = tl.load(table + t)
-    n = tl.load(table + n_tensors + t)
-    return t, start, addr, n
-
-
-@triton.jit
 def to_storage(x, DST: tl.constexpr):
     """Convert ``x`` for a store of dtype ``DST`` the way torch does.
 

@@ -17,7 +17,6 @@ from .. import _launch
 from ._common import (
     Kernel,
     align_elems,
-    block_piece,
     copy_types,
     storage_type,
     to_storage,
@@ -48,7 +47,14 @@ def _copy_kernel(
     tensor ``t = block_tensor[p]``, ``start = block_start[p]``, to or from
     ``flat[offsets[t] + start ...]``, converting SRC -> DST like ``Tensor.to`` and
     multiplying by ``scale`` in COMPUTE when SCALED. Programs never overlap."""
-    t, start, addr, n = block_piece(table, n_tensors)
+    # The chunk map, read inline: Triton 3.6 (torch 2.11's) loses the alignment hints
+    # below when these come back from a @jit helper, and then emits scalar accesses.
+    pid = tl.program_id(0).to(tl.int64)
+    n_blocks = tl.num_programs(0).to(tl.int64)
+    t = tl.load(table + 3 * n_tensors + n_blocks + pid)
+    start = tl.load(table + 3 * n_tensors + pid)
+    addr = tl.load(table + t)
+    n = tl.load(table + n_tensors + t)
     off = tl.load(table + 2 * n_tensors + t)
     if ALIGN > 1:
         # The launcher checked these; telling the compiler lets it vectorise.

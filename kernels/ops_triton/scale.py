@@ -19,7 +19,6 @@ from ._common import (
     TL_DTYPES,
     Kernel,
     align_elems,
-    block_piece,
     storage_type,
     to_storage,
 )
@@ -49,7 +48,14 @@ def _scale_kernel(
     of tensor ``t = block_tensor[p]``, ``start = block_start[p]``, by ``x * factor`` or
     ``x / factor`` computed in COMPUTE and rounded to DT like torch. Programs never
     overlap."""
-    t, start, addr, n = block_piece(table, n_tensors)
+    # The chunk map, read inline: Triton 3.6 (torch 2.11's) loses the alignment hints
+    # below when these come back from a @jit helper, and then emits scalar accesses.
+    pid = tl.program_id(0).to(tl.int64)
+    n_blocks = tl.num_programs(0).to(tl.int64)
+    t = tl.load(table + 3 * n_tensors + n_blocks + pid)
+    start = tl.load(table + 3 * n_tensors + pid)
+    addr = tl.load(table + t)
+    n = tl.load(table + n_tensors + t)
     if ALIGN > 1:
         # The launcher checked these; telling the compiler lets it vectorise.
         addr = tl.multiple_of(addr, 16)
