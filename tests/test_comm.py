@@ -341,6 +341,85 @@ def test_cuda_broadcast_coalesced_matches_torch():
         assert a.device == b.device and torch.equal(a, b)
 
 
+# ------------------------------------------------- CUDA, one GPU: the compiled kernels
+# K copies held on one GPU run the peer path's kernel with every source local: the same
+# compiled code a multi-GPU machine runs, minus the peer reads.
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+
+
+def cuda_lists(k, shapes, *, offset=0):
+    """K per-"device" lists on cuda:0; ``offset`` > 0 starts every tensor that many
+    elements into its storage (no 16-byte alignment: the scalar path)."""
+    def one(s, d):
+        n = 1
+        for x in s:
+            n *= x
+        return rand((offset + n,), d, device="cuda")[offset:].view(s)
+    return [[one(s, d) for s, d in shapes] for _ in range(k)]
+
+
+@needs_cuda
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("k", [1, 2, 3, 8])
+def test_cuda_one_gpu_reduce_add_coalesced(k, offset):
+    shapes = MIXED_SHAPES + [((65_537,), torch.float32), ((257, 129), torch.bfloat16)]
+    lists = cuda_lists(k, shapes, offset=offset)
+    assert comm.reduce_path(["cuda:0"] * k, "cuda:0") == "peer"
+    with fastpar.count_launches() as n:
+        result = comm.reduce_add_coalesced(lists, 0)
+    assert n.by_op == {("triton", "reduce_add"): len({d for _, d in shapes})}, n.by_op  # one per dtype
+    for i, (r, e) in enumerate(zip(result, ref_sum([[t.cpu() for t in lst] for lst in lists]))):
+        assert r.device == torch.device("cuda", 0) and r.dtype == lists[0][i].dtype
+        assert_close(r, e, what=f"position {i}", tol=reduce_tol(r.dtype, k))
+    out = [poison_(torch.empty_like(t)) for t in lists[0]]
+    assert comm.reduce_add_coalesced(lists, "cuda:0", out=out) == out
+    for i, (o, r) in enumerate(zip(out, result)):
+        assert torch.equal(o, r), f"out[{i}] differs from the allocating call"
+
+
+@needs_cuda
+def test_cuda_one_gpu_reduce_thousand_tensors_one_launch():
+    gen = torch.Generator().manual_seed(3)
+    shapes = [((int(n),), torch.float16) for n in torch.randint(0, 300, (1000,), generator=gen)]
+    lists = cuda_lists(4, shapes)
+    out = [poison_(torch.empty_like(t)) for t in lists[0]]
+    with fastpar.count_launches() as n:
+        comm.reduce_add_coalesced(lists, 0, out=out)
+    assert n.total == 1
+    for i, (o, e) in enumerate(zip(out, ref_sum([[t.cpu() for t in lst] for lst in lists]))):
+        assert_close(o, e, what=f"position {i}", tol=reduce_tol(torch.float16, 4))
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64], ids=str)
+def test_cuda_integers_wrap_as_torch(dtype):
+    info = torch.iinfo(dtype)
+    lists = [[torch.randint(info.min, info.max, (n,), dtype=dtype, device="cuda") for n in (1, 7, 3000)]
+             for _ in range(5)]
+    expected = [t.clone() for t in lists[0]]
+    for lst in lists[1:]:
+        for e, t in zip(expected, lst):
+            e.add_(t)
+    for i, (r, e) in enumerate(zip(comm.reduce_add_coalesced(lists, 0), expected)):
+        assert torch.equal(r, e), f"position {i}"
+
+
+@needs_cuda
+def test_cuda_one_gpu_broadcast_scatter_gather():
+    ts = [rand(s, d, device="cuda") for s, d in MIXED_SHAPES]
+    [copies] = comm.broadcast_coalesced(ts, [0])
+    assert all(a is b for a, b in zip(copies, ts)), "outputs[0] are the inputs themselves"
+    x = torch.randn(10, 3)
+    parts = comm.scatter(x, [0])
+    assert len(parts) == 1 and parts[0].device.type == "cuda" and torch.equal(parts[0].cpu(), x)
+    chunks = [torch.randn(n, 3, device="cuda") for n in (4, 0, 7)]
+    with fastpar.count_launches() as n:
+        on_gpu = comm.gather(chunks, 0, 0)
+    assert n.by_op == {("triton", "flatten"): 1} and torch.equal(on_gpu, torch.cat(chunks))
+    on_cpu = comm.gather(chunks, 0, -1)
+    assert on_cpu.device.type == "cpu" and torch.equal(on_cpu, torch.cat(chunks).cpu())
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_cuda_single_device_reduce():
     ts = [torch.randn(100, device="cuda")] * 2

@@ -914,3 +914,63 @@ def test_resolved_passes_hold_no_bucket():
     gc.collect()
     assert alive.expired(), "a cached pass keeps the bucket's storage alive"
     fddp._buckets.clear()
+
+
+# ---------------------------------------------------------------------------------------
+# CUDA + NCCL (one GPU): the hooks' compiled Triton passes against torch's own hooks.
+
+NCCL_SCRIPT = """
+import torch, torch.distributed as dist, torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as th
+import fastpar, fastpar.ddp as fddp
+
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def run(hook, ours, bucket_view):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)).cuda()
+    model = DDP(net, device_ids=[0], gradient_as_bucket_view=bucket_view, bucket_cap_mb=1e-3)
+    if ours:
+        fddp.register(model, hook)
+    else:
+        model.register_comm_hook(None, hook)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    ops = set()
+    for _ in range(3):
+        x = torch.randn(8, 16, device="cuda", generator=gen)
+        opt.zero_grad()
+        with fastpar.count_launches() as n:
+            model(x).square().sum().backward()
+        ops |= set(n.by_op)
+        opt.step()
+    return [p.detach().cpu() for p in net.parameters()], ops
+
+
+# At world size 1 every hook's division is by 1 and a compress hook rounds each gradient
+# once: fastpar's fused passes must give torch's hooks' bits.
+for bucket_view in (False, True):
+    for ours, theirs, passes in ((fddp.allreduce_hook, th.allreduce_hook, False),
+                                 (fddp.fp16_compress_hook, th.fp16_compress_hook, True),
+                                 (fddp.bf16_compress_hook, th.bf16_compress_hook, True)):
+        got, ops = run(ours, True, bucket_view)
+        exp, _ = run(theirs, False, bucket_view)
+        for i, (a, b) in enumerate(zip(got, exp)):
+            assert torch.equal(a, b), (theirs.__name__, bucket_view, i, (a - b).abs().max().item())
+        assert all(backend == "triton" for backend, _ in ops), ops
+        assert ops or not passes, (theirs.__name__, "no fastpar pass ran")
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not dist.is_nccl_available(), reason="needs CUDA and NCCL")
+def test_cuda_nccl_hooks_match_torch_hooks_bit_for_bit():
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", NCCL_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr

@@ -2,10 +2,12 @@
 references, with poisoned outputs, edge sizes and every accepted dtype."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
-from conftest import ALL_DTYPES, FLOAT_DTYPES, TOL, assert_close, poison_, rand
+from conftest import ALL_DTYPES, FLOAT_DTYPES, TOL, assert_close, cuda, poison_, rand
 
 import fastpar
 
@@ -597,3 +599,88 @@ def test_large_plain_copies_stream_correctly():
     fastpar.unflatten_into(out, dst)
     for i, (d, t) in enumerate(zip(dst, ts)):
         assert torch.equal(d, t), f"tensors[{i}] differs"
+
+
+# ------------------------------------------------- CUDA (one GPU): the compiled kernels
+# The same contracts as above on real hardware, where a wrong alignment hint faults and
+# the interpreter's forgiveness does not apply. Skipped without CUDA.
+
+
+def make_cuda(shapes, dtype, *, offset=0):
+    """``shapes`` on the GPU, each starting ``offset`` elements into its storage (so
+    ``offset`` > 0 defeats 16-byte alignment), plus a transposed and a strided tensor."""
+    ts = [rand((offset + math.prod(s),), dtype, device="cuda")[offset:].view(s) for s in shapes]
+    ts.append(rand((6, 4), dtype, device="cuda").t())
+    ts.append(rand((10,), dtype, device="cuda")[::3])
+    return ts
+
+
+@cuda
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("shapes", SHAPE_SETS.values(), ids=SHAPE_SETS.keys())
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_cuda_flatten_and_unflatten_into(shapes, dtype, offset):
+    ts = make_cuda(shapes, dtype, offset=offset)
+    total = sum(t.numel() for t in ts)
+    expected = torch._utils._flatten_dense_tensors([t.contiguous() for t in ts])
+    store = poison_(torch.empty(total + offset, dtype=dtype, device="cuda"))
+    out = store[offset:]
+    with fastpar.count_launches() as n:
+        assert fastpar.flatten(ts, out=out) is out
+    assert n.by_op == ({("triton", "flatten"): 1} if total else {}), n.by_op
+    assert torch.equal(out, expected), "same-dtype flatten must be bit-exact"
+    assert torch.equal(fastpar.flatten(ts), expected)
+    back = [poison_(torch.empty_like(t)) for t in ts[:-2]]  # and a transposed and a strided destination:
+    back += [poison_(torch.empty(6, 4, dtype=dtype, device="cuda")).t(),
+             poison_(torch.empty(12, dtype=dtype, device="cuda"))[::3]]
+    fastpar.unflatten_into(out, back)
+    for i, (b, t) in enumerate(zip(back, ts)):
+        assert torch.equal(b, t), f"unflatten_into: tensor {i} differs"
+
+
+@cuda
+@pytest.mark.parametrize("scale", [None, 0.37], ids=["noscale", "scale"])
+@pytest.mark.parametrize("src", FLOAT_DTYPES + [torch.int32], ids=str)
+@pytest.mark.parametrize("dst", FLOAT_DTYPES, ids=str)
+def test_cuda_flatten_cast_scale(src, dst, scale):
+    if not src.is_floating_point and (scale is not None or dst.itemsize < 4):
+        pytest.skip("integers: unscaled, into float32/64 (where they are exact)")
+    ts = make_cuda(SHAPE_SETS["odd"] + [(1030,), (65537,)], src)
+    out = poison_(torch.empty(sum(t.numel() for t in ts), dtype=dst, device="cuda"))
+    fastpar.flatten(ts, dtype=dst, scale=scale, out=out)
+    assert_close(out, ref_flat([t.cpu() for t in ts], scale=scale), dtype=dst, what=f"{src}->{dst}")
+    exp = torch._utils._flatten_dense_tensors([t.contiguous() for t in ts])
+    if scale is None or src == dst == torch.float32:
+        # Conversions follow Tensor.to on the GPU bit for bit (round to nearest even).
+        exp = (exp * scale if scale is not None else exp).to(dst)
+        assert torch.equal(out.view(torch.uint8), exp.view(torch.uint8))
+    back = [poison_(torch.empty_like(t)) for t in ts]
+    inv = None if scale is None else 1 / scale
+    fastpar.unflatten_into(out, back, scale=inv)
+    pieces = (out.double().cpu() * (1.0 if inv is None else inv)).split([t.numel() for t in ts])
+    for i, (b, piece) in enumerate(zip(back, pieces)):
+        assert_close(b, piece.view(b.shape), dtype=src, what=f"unflatten_into {dst}->{src}, tensor {i}")
+
+
+@cuda
+def test_cuda_ten_thousand_tensors_one_launch_each_way():
+    gen = torch.Generator().manual_seed(2)
+    sizes = torch.randint(0, 70, (10_000,), generator=gen).tolist()
+    ts = [rand((k,), torch.float32, gen=gen, device="cuda") for k in sizes]
+    out = poison_(torch.empty(sum(sizes), dtype=torch.bfloat16, device="cuda"))
+    with fastpar.count_launches() as n:
+        fastpar.flatten(ts, dtype=torch.bfloat16, scale=0.5, out=out)
+        back = [poison_(torch.empty_like(t)) for t in ts]
+        fastpar.unflatten_into(out, back, scale=2.0)
+    assert n.by_op == {("triton", "flatten"): 1, ("triton", "unflatten_into"): 1}, n.by_op
+    assert torch.equal(out, (torch.cat(ts) * 0.5).bfloat16())
+    assert torch.equal(torch.cat(back), out.float() * 2.0)
+
+
+@cuda
+def test_cuda_triton_agrees_with_numba_bit_for_bit():
+    ts = [rand(s, torch.float32) for s in [(7,), (3, 5), (), (65537,), (257, 129)]]
+    on_gpu = fastpar.flatten([t.cuda() for t in ts], dtype=torch.bfloat16, scale=1 / 3)
+    with fastpar.use_backend("numba"):
+        on_cpu = fastpar.flatten(ts, dtype=torch.bfloat16, scale=1 / 3)
+    assert torch.equal(on_gpu.cpu().view(torch.int16), on_cpu.view(torch.int16))

@@ -185,3 +185,14 @@ def test_replicate_asks_a_class_that_lists_its_own_parameters():
     assert not _plain_members(net) and _plain_members(nn.Linear(2, 2))
     reps = replicate(net, ["cpu", "cpu"])
     assert torch.equal(reps[1].keep, net.keep) and reps[1].keep.data_ptr() != net.keep.data_ptr()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_replica_on_source_device_shares_storage():
+    net = small_net().cuda()
+    [rep] = replicate(net, [0])
+    for (name, p), (_, q) in zip(net.named_parameters(), rep.named_parameters()):
+        assert q.data_ptr() == p.data_ptr(), name
+    x = torch.randn(3, 5, 6, device="cuda")
+    net.eval(), rep.eval()
+    assert torch.equal(rep[:-1](x[:, 0]), net[:-1](x[:, 0]))
