@@ -154,6 +154,12 @@ def _replicate(ts, k=2):
     from ._baselines import torch_replicate_algorithm
 
     holder = torch.nn.ParameterList([torch.nn.Parameter(t, requires_grad=False) for t in ts])
+    if ts[0].device.type == "cuda":  # real GPUs: torch's own replicate, unchanged
+        if torch.cuda.device_count() < k:
+            return None
+        gpus = list(range(k))
+        return Setup(lambda: fastpar.replicate(holder, gpus, detach=True),
+                     lambda: torch.nn.parallel.replicate(holder, gpus, detach=True), k * nbytes(ts))
 
     def base():
         with torch_replicate_algorithm() as rep:
@@ -200,9 +206,11 @@ def workloads(sizes: str) -> dict:
     return {name: b[i] for name, b in WORKLOADS.items()}
 
 
-def devices() -> list[torch.device]:
-    """CPU, plus the first CUDA device when present."""
-    return [torch.device("cpu")] + ([torch.device("cuda", 0)] if torch.cuda.is_available() else [])
+def devices(types=None) -> list[torch.device]:
+    """CPU, plus the first CUDA device when present; ``types`` (e.g. ``["cuda"]``)
+    keeps those device types only."""
+    found = [torch.device("cpu")] + ([torch.device("cuda", 0)] if torch.cuda.is_available() else [])
+    return [d for d in found if types is None or d.type in types]
 
 
 def _backend_of(device) -> str:
@@ -281,6 +289,9 @@ def run_device(device, sizes: str, *, cases=None, only=None, progress: bool = Tr
             for case in cases:
                 bar.set_postfix_str(f"{case.op}: {wname}")
                 s = case.setup(ts)
+                if s is None:  # not measurable here (e.g. replicate K=2 on one GPU)
+                    bar.update(1)
+                    continue
                 providers = {"fastpar": (tuned_on, s.fastpar), "torch": (tuned_on, s.torch),
                              "copy_": (tuned_on, copy)}
                 tuned = _untuned_differs(case, device, n)
@@ -419,15 +430,15 @@ def _stamp() -> tuple[str, str]:
 
 
 def run(sizes: str = "full", *, root=None, note: str | None = None, only=None, progress: bool = True,
-        out=sys.stdout) -> list[Path]:
-    """Benchmark every device present; print each table; write JSON + PNG per device.
-    Returns the JSON paths written."""
+        out=sys.stdout, device_types=None) -> list[Path]:
+    """Benchmark every device present (of ``device_types``, when given); print each
+    table; write JSON + PNG per device. Returns the JSON paths written."""
     import numba
 
     root = Path(root) if root is not None else _tuning.results_dir()
     bench_dir = root / "bench"
     paths = []
-    for device in devices():
+    for device in devices(device_types):
         info = _tuning.device_info(device)
         iso, stamp = _stamp()
         load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
@@ -469,6 +480,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="results folder: tuned parameters are read from its autotune/, the run is written to its "
                         "bench/ (default: $FASTPAR_RESULTS_DIR, else the source checkout's results/, else "
                         "~/.cache/fastpar)")
+    p.add_argument("--devices", default=None,
+                   help="comma-separated device types to benchmark, of cpu and cuda (default: every one present)")
     p.add_argument("--note", default=None, help="free text stored in the JSON (e.g. 'machine shared')")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -482,8 +495,20 @@ def main(args) -> int:
         if bad:
             print(f"--workloads: unknown {bad}; expected some of {', '.join(WORKLOADS)}", file=sys.stderr)
             return 2
+    types = None
+    if args.devices:
+        types = [d.strip() for d in args.devices.split(",") if d.strip()]
+        bad = [d for d in types if d not in ("cpu", "cuda")]
+        if bad or not types:
+            print(f"--devices: unknown {bad or args.devices!r}; expected some of cpu, cuda", file=sys.stderr)
+            return 2
+        if not devices(types):
+            print(f"--devices: none of {types} is present here (found: "
+                  f"{', '.join(str(d) for d in devices())})", file=sys.stderr)
+            return 2
     if args.results_dir:
         os.environ["FASTPAR_RESULTS_DIR"] = args.results_dir
         _tuning.reload()
-    run(sizes, root=args.results_dir, note=args.note, only=only, progress=not args.no_progress)
+    run(sizes, root=args.results_dir, note=args.note, only=only, progress=not args.no_progress,
+        device_types=types)
     return 0

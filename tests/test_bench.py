@@ -32,7 +32,7 @@ def test_bench_cli_tiny_end_to_end(tmp_path):
     _tuned_file(tmp_path)
     env = dict(os.environ, FASTPAR_RESULTS_DIR=str(tmp_path))
     r = subprocess.run([sys.executable, "-m", "fastpar", "bench", "--sizes", "tiny", "--no-progress",
-                        "--note", "test run"], env=env, capture_output=True, text=True, timeout=300)
+                        "--devices", "cpu", "--note", "test run"], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"bench failed (rc {r.returncode}):\n{r.stdout}\n{r.stderr}"
     assert "| op | workload | dtype |" in r.stdout and "tuned parameters: ok" in r.stdout, r.stdout
     assert "TuningWarning" not in r.stderr, r.stderr
@@ -94,3 +94,18 @@ def test_validate_bench_names_the_bad_field(good_doc, path, value, match):
 def test_table_is_markdown(good_doc):
     t = bench.table(good_doc["rows"]).splitlines()
     assert t[0].startswith("| op |") and t[1].startswith("| ---") and "2.00x" in t[2] and "defaults" in t[2]
+
+
+@pytest.mark.parametrize("arg, match", [("tpu", "unknown \\['tpu'\\]"), (",", "unknown ','"),
+                                        ("cuda", "none of \\['cuda'\\] is present")])
+def test_bench_cli_rejects_bad_devices(arg, match, tmp_path, capsys):
+    import argparse
+    import re
+
+    if arg == "cuda" and bench.devices(["cuda"]):
+        pytest.skip("CUDA present")
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    assert bench.main(p.parse_args(["--devices", arg, "--results-dir", str(tmp_path)])) == 2
+    assert re.search(match, capsys.readouterr().err)
+    assert not (tmp_path / "bench").exists()
