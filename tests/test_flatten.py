@@ -638,13 +638,15 @@ def test_cuda_flatten_and_unflatten_into(shapes, dtype, offset):
         assert torch.equal(b, t), f"unflatten_into: tensor {i} differs"
 
 
+#: (src, dst, scale): every float pair with and without scale, and integers unscaled
+#: into float32/64 (where their values are exact).
+CUDA_CASTS = [(s, d, k) for s in FLOAT_DTYPES for d in FLOAT_DTYPES for k in (None, 0.37)] + [
+    (torch.int32, d, None) for d in (torch.float32, torch.float64)]
+
+
 @cuda
-@pytest.mark.parametrize("scale", [None, 0.37], ids=["noscale", "scale"])
-@pytest.mark.parametrize("src", FLOAT_DTYPES + [torch.int32], ids=str)
-@pytest.mark.parametrize("dst", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("src, dst, scale", CUDA_CASTS, ids=str)
 def test_cuda_flatten_cast_scale(src, dst, scale):
-    if not src.is_floating_point and (scale is not None or dst.itemsize < 4):
-        pytest.skip("integers: unscaled, into float32/64 (where they are exact)")
     ts = make_cuda(SHAPE_SETS["odd"] + [(1030,), (65537,)], src)
     out = poison_(torch.empty(sum(t.numel() for t in ts), dtype=dst, device="cuda"))
     fastpar.flatten(ts, dtype=dst, scale=scale, out=out)
