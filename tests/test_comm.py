@@ -436,3 +436,28 @@ def test_out_overlap_detection_is_exact():
                        ([base[40:50], base[15:25]], r"out\[1\] overlaps the memory of inputs\[0\]\[1\]")]:
         with pytest.raises(ValueError, match=where):
             comm.reduce_add_coalesced(inputs, "cpu", out=bad)
+
+
+ALLOC_SCRIPT = """
+import torch
+from fastpar import comm
+lists = [[torch.randn(n, device="cuda") for n in (1000, 7, 65537)] for _ in range(2)]
+path = comm.reduce_path(["cuda:0", "cuda:0"], "cuda:0")
+assert path == "staged", (path, torch.cuda.get_allocator_backend())
+res = comm.reduce_add_coalesced(lists, 0)
+assert all(torch.equal(r, a + b) for r, a, b in zip(res, *lists))
+print("ok")
+"""
+
+
+@needs_cuda
+@pytest.mark.parametrize("conf", ["backend:cudaMallocAsync", "expandable_segments:True"])
+def test_cuda_allocator_configs_without_raw_peer_pointers_take_the_staged_path(conf):
+    # Set before CUDA initialises, hence a fresh process.
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=conf)
+    res = subprocess.run([sys.executable, "-c", ALLOC_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr
