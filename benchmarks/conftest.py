@@ -31,17 +31,19 @@ CEILING = "copy_"
 WARMUP_S = 0.5
 
 
-def measure(benchmark, fn, nbytes: int, *, rounds: int = 10, setup=None):
+def measure(benchmark, fn, nbytes: int, *, rounds: int = 10, setup=None, iterations: int = 1):
     """Time ``fn`` (median of ``rounds`` after the warm-up above; every provider of a
     group gets the same) and record GB/s, where ``nbytes`` counts bytes read plus
-    written."""
+    written. ``iterations`` calls are timed together per round (and the median is per
+    call): for calls of tens of microseconds, a single call per round is at the mercy of
+    one timer tick or interrupt. Not with ``setup``, which runs before every call."""
     calls, deadline = 0, time.perf_counter() + WARMUP_S
     while calls < 2 or time.perf_counter() < deadline:
         if setup is not None:
             setup()
         fn()
         calls += 1
-    benchmark.pedantic(fn, setup=setup, rounds=rounds, warmup_rounds=0, iterations=1)
+    benchmark.pedantic(fn, setup=setup, rounds=rounds, warmup_rounds=0, iterations=iterations)
     median = benchmark.stats.stats.median
     benchmark.extra_info["bytes"] = nbytes
     benchmark.extra_info["GB/s"] = round(nbytes / median / 1e9, 3)
