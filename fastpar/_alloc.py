@@ -82,7 +82,9 @@ class ResultCache:
     (huge pages or not) and, on a VM that returns free memory to its host, host-side
     faults too. A buffer is reused only when its storage is referenced by this cache
     alone (no result, view, ``.grad`` or saved tensor left), so no live tensor ever
-    sees its memory change.
+    sees its memory change. (The results of a call that compiled a Numba kernel stay
+    alive until the garbage collector runs: Numba's compiler leaves that call's frames
+    in a reference cycle. Their buffer is then simply not reused until then.)
 
     At most ``per_key`` buffers are kept per (dtype, numel) and ``max_bytes`` in all
     (least recently used keys dropped first: their memory is freed once their results

@@ -2,6 +2,7 @@
 changes."""
 from __future__ import annotations
 
+import gc
 import sys
 
 import pytest
@@ -124,8 +125,14 @@ def test_result_cache_limits_bytes_least_recently_used_first():
 def test_reduce_results_reuse_their_buffer_only_when_dropped():
     from fastpar import comm
 
-    comm._RESULTS.clear()
     lists = [[torch.randn(N), torch.randn(3, 5)] for _ in range(3)]
+    # A call that compiles its Numba kernel leaves its frame, and so its results, in a
+    # reference cycle (Numba's compiler keeps a traceback) until the collector runs:
+    # compile first, so that `del` below frees the results at once (this failed one CI
+    # run in two when the collector happened not to run in between).
+    comm.reduce_add_coalesced(lists, "cpu")
+    gc.collect()
+    comm._RESULTS.clear()
     r1 = comm.reduce_add_coalesced(lists, "cpu")
     ptr, kept = _storage_ptr(r1[0]), r1[1].clone()
     r2 = comm.reduce_add_coalesced(lists, "cpu")  # r1 alive: another buffer
