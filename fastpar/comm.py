@@ -489,7 +489,9 @@ def scatter(tensor, devices=None, chunk_sizes=None, dim=0, streams=None, *, out=
         if sum(sizes) != size:
             raise ValueError(f"the sizes of out along dim {dim} must sum to {size}, got {sizes} (sum {sum(sizes)})")
         for o, chunk in zip(outs, tensor.split(sizes, dim)):
-            o.copy_(chunk, non_blocking=True)
+            # Asynchronous only into device memory: into host memory (pinned) it could
+            # still be running when the caller reads ``out``.
+            o.copy_(chunk, non_blocking=o.is_cuda)
         return tuple(outs)
     devs = _devices(devices, "devices")
     if chunk_sizes is None:
@@ -516,9 +518,11 @@ def scatter(tensor, devices=None, chunk_sizes=None, dim=0, streams=None, *, out=
             result.append(chunk)  # already there: a view, not a copy
         elif streams is not None and streams[i] is not None:
             with torch.cuda.stream(streams[i]):
-                result.append(chunk.to(d, non_blocking=True))
+                result.append(chunk.to(d, non_blocking=d.type == "cuda"))
         else:
-            result.append(chunk.to(d, non_blocking=True))
+            # A device-to-host copy stays synchronous: with non_blocking, torch returns
+            # pinned memory that the copy may still be writing.
+            result.append(chunk.to(d, non_blocking=d.type == "cuda"))
     return tuple(result)
 
 
@@ -586,7 +590,9 @@ def gather(tensors, dim=0, destination=None, *, out=None):
         return out
     off = 0
     for t in ts:
-        out.narrow(dim, off, t.size(dim)).copy_(t, non_blocking=True)
+        # As torch's gather: asynchronous only into device memory (a pinned host ``out``
+        # would be returned while the copies still write it).
+        out.narrow(dim, off, t.size(dim)).copy_(t, non_blocking=out.is_cuda)
         off += t.size(dim)
     return out
 

@@ -420,6 +420,19 @@ def test_cuda_one_gpu_broadcast_scatter_gather():
     assert on_cpu.device.type == "cpu" and torch.equal(on_cpu, torch.cat(chunks).cpu())
 
 
+@needs_cuda
+def test_cuda_gather_into_pinned_host_memory_is_complete_on_return():
+    # Read out with no CUDA synchronisation in between: an asynchronous device-to-host
+    # copy into pinned memory would still be running (torch's gather copies
+    # synchronously when out is on the host, and so must fastpar's).
+    n = 1 << 24
+    chunks = [torch.randn(n, device="cuda") for _ in range(3)]
+    out = torch.full((3 * n,), float("nan")).pin_memory()
+    comm.gather(chunks, out=out)
+    got = out.clone()  # a host copy: does not wait for the GPU
+    assert torch.equal(got, torch.cat(chunks).cpu())
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_cuda_single_device_reduce():
     ts = [torch.randn(100, device="cuda")] * 2
