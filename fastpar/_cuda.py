@@ -10,11 +10,16 @@ import torch
 
 
 def allocator_allows_peer_pointers() -> bool:
-    """False when the CUDA allocator hands out memory that raw peer pointers may not reach.
+    """False when fastpar does not rely on raw peer pointers into the allocator's memory.
 
-    ``cudaMallocAsync`` pools need pool-specific access grants, and expandable segments
-    map memory per device; in both cases a kernel on one GPU must not dereference
-    another's addresses unless the allocator itself granted access, so fastpar stages.
+    ``cudaMallocAsync`` pools need pool-specific access grants (``cudaMemPoolSetAccess``),
+    which ``cudaDeviceEnablePeerAccess`` does not give. Expandable segments are mapped
+    with ``cuMemMap``; torch's allocator does grant peers access to them when it enables
+    a pair (``ExpandableSegment::addPeer``, called from ``get_p2p_access``, which
+    :func:`_enable_pair` goes through), so the peer path should be safe there too, but
+    that has not run on a multi-GPU machine yet: until it has, they take the staged path
+    (correct, slower, and holding a staged copy of each other device's list on the
+    destination).
     """
     if torch.cuda.get_allocator_backend() != "native":
         return False
