@@ -21,7 +21,9 @@ and returned by :func:`reduce_path`:
 * ``"staged"``: otherwise, or when the allocator forbids raw peer pointers
   (``cudaMallocAsync``, expandable segments): each other source is flattened on its own
   device (one launch), copied to the destination (one async copy), and the same fused
-  K-way kernel then runs over local buffers.
+  K-way kernel then runs over local buffers. All those copies are on the destination at
+  once: K - 1 times the list's size of extra memory there (torch's algorithm works in
+  ``buffer_size`` buckets instead).
 """
 from __future__ import annotations
 
