@@ -442,9 +442,17 @@ class ReduceGroup(_Numel):
 
     def device_table(self, block: int, device: torch.device) -> torch.Tensor:
         """``src_addrs (source-major) | dst_addrs | numels | block_start | block_tensor``
-        as one int64 tensor on ``device`` (built per call: sources are often transient)."""
+        as one int64 tensor on ``device`` (built per call: sources are often transient).
+
+        On CUDA the table goes through pinned memory: an asynchronous copy from pageable
+        memory may make the host wait for the stream first (CUDA's "API synchronization
+        behavior"), and by now that stream waits on every source device's work (a
+        replica's whole backward, say). torch's caching host allocator keeps the pinned
+        block until the copy has run."""
         tensor, start = self.blocks(block)
-        host = np.concatenate(
+        host = torch.from_numpy(np.concatenate(
             [self.src_addrs.reshape(-1), self.dst_addrs, self.numels, start, tensor.astype(np.int64)]
-        )
-        return torch.from_numpy(host).to(device, non_blocking=True)
+        ))
+        if device.type == "cuda":
+            host = host.pin_memory()
+        return host.to(device, non_blocking=True)
