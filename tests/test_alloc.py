@@ -127,7 +127,7 @@ def test_reduce_results_reuse_their_buffer_only_when_dropped():
 
     lists = [[torch.randn(N), torch.randn(3, 5)] for _ in range(3)]
     # A call that compiles its Numba kernel leaves its frame, and so its results, in a
-    # reference cycle (Numba's compiler keeps a traceback) until the collector runs:
+    # reference cycle (with Numba's compiler frames) until the collector runs:
     # compile first, so that `del` below frees the results at once (this failed one CI
     # run in two when the collector happened not to run in between).
     comm.reduce_add_coalesced(lists, "cpu")
