@@ -56,6 +56,24 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, dtype=None, wh
         )
 
 
+def snapshot(tensors) -> list:
+    """Copies of ``tensors`` for :func:`assert_unchanged` (taken before a call that must
+    write nothing)."""
+    return [t.detach().clone() for t in tensors]
+
+
+def assert_unchanged(tensors, before, *, what: str = "") -> None:
+    """Every tensor still holds exactly what :func:`snapshot` saw (NaN matches NaN, so
+    poisoned outputs compare equal to themselves); names the first one that changed."""
+    for i, (t, b) in enumerate(zip(tensors, before)):
+        t = t.detach()
+        if t.dtype.is_floating_point:
+            same = torch.equal(t.isnan(), b.isnan()) and torch.equal(t.nan_to_num(0.0), b.nan_to_num(0.0))
+        else:
+            same = torch.equal(t, b)
+        assert same, f"{what}: tensor {i} (shape {tuple(t.shape)}, {t.dtype}) was written by a rejected call"
+
+
 def poison_(t: torch.Tensor) -> torch.Tensor:
     """Fill ``t`` with NaN (floats) or a sentinel (integers) so unwritten elements show."""
     if t.dtype.is_floating_point:

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from conftest import HAS_CUDA, TOL, assert_close, poison_, rand
+from conftest import HAS_CUDA, TOL, assert_close, assert_unchanged, poison_, rand, snapshot
 
 import fastpar
 from fastpar import comm
@@ -161,8 +161,9 @@ def test_reduce_add_single(backend):
 
 def test_scatter_more_streams_than_chunks():
     # A short batch leaves devices without a chunk; the extra streams are ignored.
-    chunks = comm.scatter(torch.ones(1, 3), ["cpu", "cpu"], None, 0, [None, None])
-    assert len(chunks) == 1
+    x = torch.randn(1, 3)
+    chunks = comm.scatter(x, ["cpu", "cpu"], None, 0, [None, None])
+    assert len(chunks) == 1 and torch.equal(chunks[0], x)
 
 
 def test_host_path_logged(caplog):
@@ -204,8 +205,9 @@ def test_broadcast():
     t = torch.randn(3, 2)
     res = comm.broadcast(t, ["cpu", "cpu"])
     assert res[0] is t and res[1] is not t and torch.equal(res[1], t)
-    out = [torch.empty(3, 2), torch.empty(3, 2)]
-    assert comm.broadcast(t, out=out)[1] is out[1] and torch.equal(out[1], t)
+    out = [poison_(torch.empty(3, 2)), poison_(torch.empty(3, 2))]
+    res = comm.broadcast(t, out=out)
+    assert all(r is o for r, o in zip(res, out)) and all(torch.equal(o, t) for o in out)
 
 
 # ------------------------------------------------------------------- scatter / gather
@@ -213,7 +215,8 @@ def test_broadcast():
 def test_scatter_gather_round_trip(dim):
     x = rand((10, 9, 2), torch.float32)
     chunks = comm.scatter(x, ["cpu"] * 3, dim=dim)
-    assert [c.size(dim) for c in chunks] == [t.size(dim) for t in x.chunk(3, dim)]
+    want = x.chunk(3, dim)  # 2 chunks along the last dim (size 2), as torch gives
+    assert len(chunks) == len(want) and all(torch.equal(c, t) for c, t in zip(chunks, want))
     assert torch.equal(comm.gather(chunks, dim, "cpu"), x)
 
 
@@ -221,6 +224,7 @@ def test_scatter_chunk_sizes_and_views():
     x = torch.randn(10, 3)
     chunks = comm.scatter(x, ["cpu"] * 3, chunk_sizes=[2, 0, 8])
     assert [c.shape[0] for c in chunks] == [2, 0, 8]
+    assert all(torch.equal(c, t) for c, t in zip(chunks, x.split([2, 0, 8])))
     assert chunks[0].data_ptr() == x.data_ptr(), "a chunk already on its device is a view"
 
 
@@ -251,29 +255,34 @@ def test_gather_out():
 def test_reduce_bad_inputs_write_nothing():
     a = [torch.randn(2), torch.randn(3)]
     out = [poison_(torch.empty(2)), poison_(torch.empty(3))]
+
+    def bad(*shape, **kw):  # a poisoned out tensor
+        return poison_(torch.empty(*shape, **kw))
+
     cases = [
         (([a, a[:1]], "cpu"), {}, ValueError, r"inputs\[1\] .* has 1 tensors but inputs\[0\] .* has 2"),
         (([a, [torch.randn(2), torch.randn(4)]], "cpu"), {}, ValueError, r"position 1: inputs\[1\]\[1\] on cpu has shape \(4,\).*inputs\[0\]\[1\] on cpu has shape \(3,\)"),
         (([a, [torch.randn(2), torch.randn(3, dtype=torch.float64)]], "cpu"), {}, ValueError, "position 1"),
         (([a, a], 1), {}, ValueError, r"destination must be one of the inputs. devices \[.cpu.\], got cuda:1"),
         (([], "cpu"), {}, TypeError, "non-empty list"),
-        (([a, a], "cpu"), {"out": [torch.empty(2)]}, ValueError, "out must hold 2 tensors"),
-        (([a, a], "cpu"), {"out": [torch.empty(2), torch.empty(4)]}, ValueError, r"out\[1\] has shape \(4,\)"),
-        (([a, a], "cpu"), {"out": [torch.empty(2), torch.empty(3, 2)[:, 0]]}, ValueError, r"out\[1\] must be contiguous"),
-        (([a, a], "cpu"), {"out": [a[0], torch.empty(3)]}, ValueError, r"out\[0\] overlaps the memory of inputs\[0\]\[0\]"),
+        (([a, a], "cpu"), {"out": [bad(2)]}, ValueError, "out must hold 2 tensors"),
+        (([a, a], "cpu"), {"out": [bad(2), bad(4)]}, ValueError, r"out\[1\] has shape \(4,\)"),
+        (([a, a], "cpu"), {"out": [bad(2), bad(3, 2)[:, 0]]}, ValueError, r"out\[1\] must be contiguous"),
+        (([a, a], "cpu"), {"out": [a[0], bad(3)]}, ValueError, r"out\[0\] overlaps the memory of inputs\[0\]\[0\]"),
         (([a, [torch.randn(2), torch.eye(3).to_sparse()]], "cpu"), {}, TypeError, "layout torch.sparse_coo"),
-        (([[torch.randn(2), torch.ones(3, dtype=torch.bool)]] * 2, "cpu"), {"out": [out[0], torch.empty(3, dtype=torch.bool)]},
+        (([[torch.randn(2), torch.ones(3, dtype=torch.bool)]] * 2, "cpu"), {"out": [out[0], bad(3, dtype=torch.bool)]},
          TypeError, r"inputs\[0\]\[1\]: cannot reduce torch.bool"),
         (([a, a], "cpu"), {"buffer_size": 0}, ValueError, "buffer_size must be a positive int"),
     ]
     for args, kwargs, exc, match in cases:
         kwargs = dict(kwargs)
         kwargs.setdefault("out", out)
-        if kwargs["out"] is None:
-            del kwargs["out"]
+        # Whatever the call could write: its out tensors, the default ones, the inputs.
+        watched = [*kwargs["out"], *out, *a]
+        before = snapshot(watched)
         with pytest.raises(exc, match=match):
             comm.reduce_add_coalesced(*args, **kwargs)
-        assert all(o.isnan().all() for o in out), f"{match}: a rejected call wrote into out"
+        assert_unchanged(watched, before, what=match)
 
 
 def test_reduce_add_bad_inputs():
@@ -435,20 +444,25 @@ def test_cuda_gather_into_pinned_host_memory_is_complete_on_return():
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_cuda_single_device_reduce():
-    ts = [torch.randn(100, device="cuda")] * 2
-    assert torch.allclose(comm.reduce_add(ts, 0), ts[0] * 2)
+    ts = [torch.randn(100, device="cuda") for _ in range(2)]  # distinct: a wrong source shows
+    assert_close(comm.reduce_add(ts, 0), ts[0].double() + ts[1].double(), dtype=torch.float32)
 
 
 def test_out_overlap_detection_is_exact():
-    base = torch.zeros(100)
+    base = torch.randn(100)
     inputs = [[base[0:10], base[20:30]], [torch.randn(10), torch.randn(10)]]
     ok = [base[10:20], base[30:40]]  # adjacent, not overlapping
+    want = [a.double() + b.double() for a, b in zip(*inputs)]
     comm.reduce_add_coalesced(inputs, "cpu", out=ok)
+    for got, w in zip(ok, want):
+        assert_close(got, w, dtype=torch.float32, what="out= adjacent to the inputs")
     for bad, where in [([base[9:19], base[40:50]], r"out\[0\] overlaps the memory of inputs\[0\]\[0\]"),
                        ([base[40:50], base[29:39]], r"out\[1\] overlaps the memory of inputs\[0\]\[1\]"),
                        ([base[40:50], base[15:25]], r"out\[1\] overlaps the memory of inputs\[0\]\[1\]")]:
+        before = snapshot([base])
         with pytest.raises(ValueError, match=where):
             comm.reduce_add_coalesced(inputs, "cpu", out=bad)
+        assert_unchanged([base], before, what=where)
 
 
 ALLOC_SCRIPT = """
