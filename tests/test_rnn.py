@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import cuda, poison_
+from conftest import assert_unchanged, cuda, poison_, snapshot
 
 import fastpar
 from fastpar import rnn
@@ -330,20 +330,26 @@ def test_pack_bad_out_and_weights():
     ws = list(m._flat_weights)
     layout = RNNLayout.for_module(m)
     n = layout.numel
+    def bad(*shape, **kw):  # a poisoned out buffer
+        return poison_(torch.empty(*shape, **kw))
+
     cases = [
-        (dict(out=torch.empty(n - 1)), ValueError, rf"exactly {n} elements .*got {n - 1} \(too small\)"),
-        (dict(out=torch.empty(n + 1)), ValueError, r"too large"),
-        (dict(out=torch.empty(n + 1)[1:]), ValueError, "storage offset 0"),
-        (dict(out=torch.empty(n, dtype=torch.float64)), TypeError, "dtype torch.float32"),
+        (dict(out=bad(n - 1)), ValueError, rf"exactly {n} elements .*got {n - 1} \(too small\)"),
+        (dict(out=bad(n + 1)), ValueError, r"too large"),
+        (dict(out=bad(n + 1)[1:]), ValueError, "storage offset 0"),
+        (dict(out=bad(n, dtype=torch.float64)), TypeError, "dtype torch.float32"),
         (dict(out=torch.empty(n, device="meta")), ValueError, "must be on cpu"),
-        (dict(out=torch.empty(2, n)[:, 0]), ValueError, "contiguous 1-D"),
+        (dict(out=bad(2, n)[:, 0]), ValueError, "contiguous 1-D"),
         (dict(out=[0.0] * n), TypeError, "out must be a torch.Tensor, got list"),
     ]
     for kwargs, exc, match in cases:
-        before = [w.detach().clone() for w in ws]
+        out = kwargs["out"]
+        # The weights, and the rejected out buffer itself (a meta tensor holds no data).
+        watched = ws + ([out] if isinstance(out, torch.Tensor) and out.device.type == "cpu" else [])
+        before = snapshot(watched)
         with pytest.raises(exc, match=match):
             rnn.pack(ws, layout, **kwargs)
-        assert all(torch.equal(a, b) for a, b in zip(ws, before))
+        assert_unchanged(watched, before, what=match)
     buf = rnn.pack(ws, layout)
     with pytest.raises(ValueError, match=r"out overlaps the memory of weights\[0\]"):
         rnn.pack(layout.views(buf), layout, out=buf)
