@@ -159,17 +159,34 @@ def test_scalar_outputs_gathered_with_warning():
     dp = DataParallel(S(), device_ids=["cpu", "cpu"])
     with pytest.warns(UserWarning, match="all input tensors were scalars"):
         out = dp(torch.ones(4, 1))
-    assert out.shape == (2,)
+    assert torch.equal(out, torch.tensor([4.0, 4.0])), out  # each replica: 2 rows x 1 x 2.0
     out.sum().backward()
     assert dp.module.w.grad.item() == 4.0
 
 
-def test_no_grad_forward_uses_detached_replicas():
-    model = Net()
+def test_no_grad_forward_uses_detached_replicas(monkeypatch):
+    import importlib
+
+    dp_module = importlib.import_module("fastpar.data_parallel")  # the module, not the function
+    torch.manual_seed(0)
+    model = Net().double()
+    ref = Net().double()
+    ref.load_state_dict(model.state_dict())
+    calls = []
+    real = dp_module.replicate
+
+    def spy(module, devices, detach=False):
+        calls.append(detach)
+        return real(module, devices, detach)
+
+    monkeypatch.setattr(dp_module, "replicate", spy)
     dp = DataParallel(model, device_ids=["cpu", "cpu"])
+    tokens = torch.randint(0, 20, (4, 3))
     with torch.no_grad():
-        out = dp(torch.randint(0, 20, (4, 3)))
-    assert not out.requires_grad
+        out = dp(tokens)
+        want = reference_forward(ref, tokens, 2)
+    assert calls == [True], f"replicate was called with detach={calls}, expected [True] under no_grad"
+    torch.testing.assert_close(out, want, **TOL)
 
 
 def test_failure_in_a_replica_names_it_and_leaves_no_thread():

@@ -20,12 +20,20 @@ def small_net(n_linear=2):
 
 def test_replicas_match_and_first_shares_storage():
     net = small_net()
+    bn = net[-2]
+    bn.running_mean.normal_()  # buffers that differ from their initial values
+    bn.running_var.uniform_(0.5, 2.0)
+    bn.num_batches_tracked.fill_(7)
     reps = replicate(net, ["cpu", "cpu", "cpu"])
     assert len(reps) == 3
     src = dict(net.named_parameters())
+    src_buffers = dict(net.named_buffers())
     for j, r in enumerate(reps):
         for name, t in _plain_tensors(r):
             assert torch.equal(t, src[name])
+        got = dict(r.named_buffers())
+        assert got.keys() == src_buffers.keys()
+        assert all(torch.equal(got[n], b) for n, b in src_buffers.items()), f"replica {j} buffers"
         if j == 0:
             assert all(t.data_ptr() == src[n].data_ptr() for n, t in _plain_tensors(r))
         else:
@@ -86,7 +94,7 @@ def test_launches_grow_with_devices_not_parameters(be):
 
 
 def test_buffers_are_reused_and_never_overwritten_while_referenced():
-    net = nn.Sequential(nn.Linear(5, 5), nn.LSTM(5, 3, batch_first=True))
+    net = nn.Sequential(nn.Linear(5, 5), nn.BatchNorm1d(5), nn.LSTM(5, 3, batch_first=True))
     old = replicate(net, ["cpu", "cpu"], detach=True)
     snapshot = [t.clone() for _, t in _plain_tensors(old[1])]
     with torch.no_grad():
@@ -100,8 +108,15 @@ def test_buffers_are_reused_and_never_overwritten_while_referenced():
     gc.collect()
     replicate(net, ["cpu", "cpu"], detach=True)  # refills the freed buffers
     before = pool.allocations
-    for _ in range(3):
+    for step in range(3):
+        with torch.no_grad():  # what an optimizer step and BatchNorm's update do
+            for p in net.parameters():
+                p.add_(0.5)
+            net[1].running_mean.add_(1.0)
         reps = replicate(net, ["cpu", "cpu"], detach=True)
+        # Refilled, not found holding the previous step's values.
+        assert all(torch.equal(t, dict(net.named_parameters())[n]) for n, t in _plain_tensors(reps[1])), step
+        assert all(torch.equal(b, dict(net.named_buffers())[n]) for n, b in reps[1].named_buffers()), step
         del reps
     assert pool.allocations == before, "steady state allocates nothing"
 
