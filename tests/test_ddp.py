@@ -294,18 +294,24 @@ def _sync_worker(rank):
                      "noncontig_still": net.t is None or not net.t.is_contiguous()}
 
     # Ranks that hold different modules: ValueError on every rank, not a hang.
-    torch.manual_seed(0)
+    torch.manual_seed(rank)  # different values on each rank: a partial sync would show
+    m = SyncNet(out=4 + rank)
+    before = _state(m)
     try:
-        fddp.sync_params(SyncNet(out=4 + rank))
+        fddp.sync_params(m)
         out["mismatch"] = None
     except ValueError as e:
         out["mismatch"] = str(e)
+    out["mismatch_unchanged"] = all(torch.equal(before[k], v) for k, v in _state(m).items())
     # A src outside the group: rejected before any collective.
+    m = SyncNet()
+    before = _state(m)
     try:
-        fddp.sync_params(SyncNet(), src=WORLD + 3)
+        fddp.sync_params(m, src=WORLD + 3)
         out["bad_src"] = None
     except ValueError as e:
         out["bad_src"] = str(e)
+    out["bad_src_unchanged"] = all(torch.equal(before[k], v) for k, v in _state(m).items())
     return out
 
 
@@ -443,6 +449,8 @@ def test_sync_params_rejects_mismatched_modules_on_every_rank(synced):
         msg = synced[rank]["mismatch"]
         assert msg is not None and "ranks hold different modules" in msg, msg
         assert synced[rank]["bad_src"] is not None and "src must be a global rank" in synced[rank]["bad_src"]
+        assert synced[rank]["mismatch_unchanged"] and synced[rank]["bad_src_unchanged"], \
+            f"rank {rank}: a rejected sync_params changed the module"
 
 
 def _failing_worker(rank):
@@ -604,12 +612,15 @@ def test_bucket_cache_drops_rebuilt_buckets(one_rank):
 def test_sync_params_argument_errors(one_rank):
     with pytest.raises(TypeError, match="module must be a torch.nn.Module, got list"):
         fddp.sync_params([nn.Linear(2, 2)])
+    lin = nn.Linear(2, 2)
+    before = _state(lin)
     with pytest.raises(TypeError, match="src must be an int"):
-        fddp.sync_params(nn.Linear(2, 2), src=0.0)
+        fddp.sync_params(lin, src=0.0)
     with pytest.raises(ValueError, match=r"src must be a global rank in the process group \[0\], got 1"):
-        fddp.sync_params(nn.Linear(2, 2), src=1)
+        fddp.sync_params(lin, src=1)
     with pytest.raises(TypeError, match="process_group must be None .* got int"):
-        fddp.sync_params(nn.Linear(2, 2), process_group=0)
+        fddp.sync_params(lin, process_group=0)
+    assert all(torch.equal(before[k], v) for k, v in _state(lin).items()), "a rejected call changed the module"
     m = SyncNet()
     before = _state(m)
     fddp.sync_params(m)  # world of one: a no-op that still checks and broadcasts
@@ -847,6 +858,9 @@ def test_resolved_pass_matches_the_launcher(src, dst, scale, op, numel):
         got, exp = bucket, ref
     assert _same_bits(got, exp)
     assert launches.by_op == {("numba", op): 1}
+    # And both against an independent float64 reference (they share the kernel).
+    want = (x if op == "flatten" else other).double() * (1.0 if scale is None else scale)
+    assert_close(got, want, what=f"{op} {src}->{dst} scale {scale}")
 
 
 def _dispatch_kernel(backend, op):
