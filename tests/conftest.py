@@ -9,12 +9,16 @@ import torch
 
 warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
 
-#: (rtol, atol) against a float64 reference, per result dtype.
+#: (rtol, atol) against a float64 reference, per result dtype. For 16-bit floats: one
+#: rounding to nearest (unit roundoff 2**-11 for float16, 2**-8 for bfloat16) plus a
+#: float32 rounding of the computation before it; atol is half a float16 subnormal
+#: spacing rounded up (bfloat16 has float32's range: no subnormals in these tests), so
+#: small values are checked as tightly as large ones.
 TOL = {
     torch.float64: (1e-12, 1e-12),
     torch.float32: (1.5e-6, 1e-6),
-    torch.float16: (1e-3, 1e-3),
-    torch.bfloat16: (8e-3, 8e-3),
+    torch.float16: (2**-11 + 2**-22, 6e-8),
+    torch.bfloat16: (2**-8 + 2**-22, 1e-38),
     torch.int64: (0, 0),
     torch.int32: (0, 0),
     torch.int16: (0, 0),

@@ -25,10 +25,16 @@ def ref_sum(lists):
     return [sum(lst[i].to(torch.float64) for lst in lists) for i in range(len(lists[0]))]
 
 
-def reduce_tol(dtype, k):
-    """Sum of K values rounded once: the result dtype's tolerance scaled by the magnitude."""
+def reduce_tol(dtype, k, magnitude: float = 6.0):
+    """Sum of K values accumulated in float32 (float64 for float64) and rounded once to
+    the result dtype: that rounding (``TOL``) plus up to K - 1 accumulation roundings,
+    each at most 2**-24 (2**-53) of a partial sum of at most K * ``magnitude`` (the
+    inputs here are standard normal: |x| < 6)."""
     rtol, atol = TOL[dtype]
-    return (rtol, atol * k)
+    if not dtype.is_floating_point:
+        return rtol, atol  # integers: exact
+    eps = 2**-53 if dtype == torch.float64 else 2**-24
+    return rtol, atol + (k - 1) * k * magnitude * eps
 
 
 # ------------------------------------------------------------------------ reduce_add
