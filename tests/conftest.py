@@ -78,6 +78,11 @@ def assert_unchanged(tensors, before, *, what: str = "") -> None:
         assert same, f"{what}: tensor {i} (shape {tuple(t.shape)}, {t.dtype}) was written by a rejected call"
 
 
+def poisoned(*shape, **kwargs) -> torch.Tensor:
+    """``torch.empty(*shape, **kwargs)`` filled by :func:`poison_`."""
+    return poison_(torch.empty(*shape, **kwargs))
+
+
 def poison_(t: torch.Tensor) -> torch.Tensor:
     """Fill ``t`` with NaN (floats) or a sentinel (integers) so unwritten elements show."""
     if t.dtype.is_floating_point:

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from conftest import HAS_CUDA, TOL, assert_close, assert_unchanged, poison_, rand, snapshot
+from conftest import HAS_CUDA, TOL, assert_close, assert_unchanged, poison_, poisoned, rand, snapshot
 
 import fastpar
 from fastpar import comm
@@ -262,21 +262,18 @@ def test_reduce_bad_inputs_write_nothing():
     a = [torch.randn(2), torch.randn(3)]
     out = [poison_(torch.empty(2)), poison_(torch.empty(3))]
 
-    def bad(*shape, **kw):  # a poisoned out tensor
-        return poison_(torch.empty(*shape, **kw))
-
     cases = [
         (([a, a[:1]], "cpu"), {}, ValueError, r"inputs\[1\] .* has 1 tensors but inputs\[0\] .* has 2"),
         (([a, [torch.randn(2), torch.randn(4)]], "cpu"), {}, ValueError, r"position 1: inputs\[1\]\[1\] on cpu has shape \(4,\).*inputs\[0\]\[1\] on cpu has shape \(3,\)"),
         (([a, [torch.randn(2), torch.randn(3, dtype=torch.float64)]], "cpu"), {}, ValueError, "position 1"),
         (([a, a], 1), {}, ValueError, r"destination must be one of the inputs. devices \[.cpu.\], got cuda:1"),
         (([], "cpu"), {}, TypeError, "non-empty list"),
-        (([a, a], "cpu"), {"out": [bad(2)]}, ValueError, "out must hold 2 tensors"),
-        (([a, a], "cpu"), {"out": [bad(2), bad(4)]}, ValueError, r"out\[1\] has shape \(4,\)"),
-        (([a, a], "cpu"), {"out": [bad(2), bad(3, 2)[:, 0]]}, ValueError, r"out\[1\] must be contiguous"),
-        (([a, a], "cpu"), {"out": [a[0], bad(3)]}, ValueError, r"out\[0\] overlaps the memory of inputs\[0\]\[0\]"),
+        (([a, a], "cpu"), {"out": [poisoned(2)]}, ValueError, "out must hold 2 tensors"),
+        (([a, a], "cpu"), {"out": [poisoned(2), poisoned(4)]}, ValueError, r"out\[1\] has shape \(4,\)"),
+        (([a, a], "cpu"), {"out": [poisoned(2), poisoned(3, 2)[:, 0]]}, ValueError, r"out\[1\] must be contiguous"),
+        (([a, a], "cpu"), {"out": [a[0], poisoned(3)]}, ValueError, r"out\[0\] overlaps the memory of inputs\[0\]\[0\]"),
         (([a, [torch.randn(2), torch.eye(3).to_sparse()]], "cpu"), {}, TypeError, "layout torch.sparse_coo"),
-        (([[torch.randn(2), torch.ones(3, dtype=torch.bool)]] * 2, "cpu"), {"out": [out[0], bad(3, dtype=torch.bool)]},
+        (([[torch.randn(2), torch.ones(3, dtype=torch.bool)]] * 2, "cpu"), {"out": [out[0], poisoned(3, dtype=torch.bool)]},
          TypeError, r"inputs\[0\]\[1\]: cannot reduce torch.bool"),
         (([a, a], "cpu"), {"buffer_size": 0}, ValueError, "buffer_size must be a positive int"),
     ]

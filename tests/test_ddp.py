@@ -268,6 +268,11 @@ def _state(m):
     return {k: v.detach().clone() for k, v in m.state_dict().items()}
 
 
+def _unchanged(m, before) -> bool:
+    """``m`` still holds the state :func:`_state` saw."""
+    return all(torch.equal(before[k], v) for k, v in _state(m).items())
+
+
 def _sync_worker(rank):
     out = {}
     calls = []
@@ -302,7 +307,7 @@ def _sync_worker(rank):
         out["mismatch"] = None
     except ValueError as e:
         out["mismatch"] = str(e)
-    out["mismatch_unchanged"] = all(torch.equal(before[k], v) for k, v in _state(m).items())
+    out["mismatch_unchanged"] = _unchanged(m, before)
     # A src outside the group: rejected before any collective.
     m = SyncNet()
     before = _state(m)
@@ -311,7 +316,7 @@ def _sync_worker(rank):
         out["bad_src"] = None
     except ValueError as e:
         out["bad_src"] = str(e)
-    out["bad_src_unchanged"] = all(torch.equal(before[k], v) for k, v in _state(m).items())
+    out["bad_src_unchanged"] = _unchanged(m, before)
     return out
 
 
@@ -620,11 +625,11 @@ def test_sync_params_argument_errors(one_rank):
         fddp.sync_params(lin, src=1)
     with pytest.raises(TypeError, match="process_group must be None .* got int"):
         fddp.sync_params(lin, process_group=0)
-    assert all(torch.equal(before[k], v) for k, v in _state(lin).items()), "a rejected call changed the module"
+    assert _unchanged(lin, before), "a rejected call changed the module"
     m = SyncNet()
     before = _state(m)
     fddp.sync_params(m)  # world of one: a no-op that still checks and broadcasts
-    assert all(torch.equal(before[k], v) for k, v in _state(m).items())
+    assert _unchanged(m, before)
 
 
 class _FakeGroup:

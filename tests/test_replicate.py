@@ -115,8 +115,9 @@ def test_buffers_are_reused_and_never_overwritten_while_referenced():
             net[1].running_mean.add_(1.0)
         reps = replicate(net, ["cpu", "cpu"], detach=True)
         # Refilled, not found holding the previous step's values.
-        assert all(torch.equal(t, dict(net.named_parameters())[n]) for n, t in _plain_tensors(reps[1])), step
-        assert all(torch.equal(b, dict(net.named_buffers())[n]) for n, b in reps[1].named_buffers()), step
+        params, buffers = dict(net.named_parameters()), dict(net.named_buffers())
+        assert all(torch.equal(t, params[n]) for n, t in _plain_tensors(reps[1])), step
+        assert all(torch.equal(b, buffers[n]) for n, b in reps[1].named_buffers()), step
         del reps
     assert pool.allocations == before, "steady state allocates nothing"
 

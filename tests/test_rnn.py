@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import assert_unchanged, cuda, poison_, snapshot
+from conftest import assert_unchanged, cuda, poison_, poisoned, snapshot
 
 import fastpar
 from fastpar import rnn
@@ -330,16 +330,13 @@ def test_pack_bad_out_and_weights():
     ws = list(m._flat_weights)
     layout = RNNLayout.for_module(m)
     n = layout.numel
-    def bad(*shape, **kw):  # a poisoned out buffer
-        return poison_(torch.empty(*shape, **kw))
-
     cases = [
-        (dict(out=bad(n - 1)), ValueError, rf"exactly {n} elements .*got {n - 1} \(too small\)"),
-        (dict(out=bad(n + 1)), ValueError, r"too large"),
-        (dict(out=bad(n + 1)[1:]), ValueError, "storage offset 0"),
-        (dict(out=bad(n, dtype=torch.float64)), TypeError, "dtype torch.float32"),
+        (dict(out=poisoned(n - 1)), ValueError, rf"exactly {n} elements .*got {n - 1} \(too small\)"),
+        (dict(out=poisoned(n + 1)), ValueError, r"too large"),
+        (dict(out=poisoned(n + 1)[1:]), ValueError, "storage offset 0"),
+        (dict(out=poisoned(n, dtype=torch.float64)), TypeError, "dtype torch.float32"),
         (dict(out=torch.empty(n, device="meta")), ValueError, "must be on cpu"),
-        (dict(out=bad(2, n)[:, 0]), ValueError, "contiguous 1-D"),
+        (dict(out=poisoned(2, n)[:, 0]), ValueError, "contiguous 1-D"),
         (dict(out=[0.0] * n), TypeError, "out must be a torch.Tensor, got list"),
     ]
     for kwargs, exc, match in cases:
