@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
-from conftest import measure
+from conftest import interleaved, measure
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
 
 import fastpar.ddp as fddp
@@ -240,37 +240,16 @@ def test_ddp_step(benchmark, step_pair, hook, provider):
 
 @pytest.mark.parametrize("hook", ["allreduce", "fp16", "bf16"])
 def test_ddp_step_interleaved(benchmark, step_pair, hook):
-    """fastpar's and torch's steps alternated (order flipped every round), so that load
-    from other processes falls on both alike: the steadiest same-run ratio on a shared
-    machine. ``extra_info``: median wall-clock step times and their ratio (torch /
-    fastpar), and the median CPU time a step costs both ranks and its ratio (the work
-    saved, which other processes' load does not inflate)."""
+    """fastpar's and torch's steps alternated (``conftest.interleaved``). ``extra_info``
+    adds to its wall-clock figures the median CPU time a step costs both ranks and its
+    ratio (the work saved, which other processes' load does not inflate)."""
     benchmark.group = f"ddp step, 2 gloo ranks, interleaved: {hook} hook"
-    times = {"fastpar": [], "torch": []}
-    cpu = {"fastpar": [], "torch": []}
-    order = ["fastpar", "torch"]
-
-    def both():
-        order.reverse()
-        for provider in order:
-            t0 = time.perf_counter()
-            cpu[provider].append(step_pair.step((hook, provider)))
-            times[provider].append(time.perf_counter() - t0)
-
     # 100 rounds: a step's time varies by ~10% round to round, and the hooks differ by a
     # few percent at most, so 25 rounds left the median ratio +-5% from run to run.
-    benchmark.pedantic(both, rounds=100, warmup_rounds=1, iterations=1)
-    med = {k: statistics.median(v[1:]) for k, v in times.items()}  # [0]: the warm-up
-    cpu_med = {k: statistics.median(v[1:]) for k, v in cpu.items()}
-    # Paired differences (each round steps both): their mean and 95% interval say how
-    # large a difference this run could have resolved at all.
-    diffs = [(t - f) * 1e3 for t, f in zip(times["torch"][1:], times["fastpar"][1:])]
+    cpu = interleaved(benchmark, {p: (lambda p=p: step_pair.step((hook, p))) for p in ("fastpar", "torch")},
+                      rounds=100)
+    cpu_med = {k: statistics.median(v) for k, v in cpu.items()}
     benchmark.extra_info.update(
-        torch_minus_fastpar_ms=round(statistics.fmean(diffs), 3),
-        ci95_ms=round(1.96 * statistics.stdev(diffs) / len(diffs) ** 0.5, 3),
-        fastpar_step_ms=round(med["fastpar"] * 1e3, 2),
-        torch_step_ms=round(med["torch"] * 1e3, 2),
-        ratio=round(med["torch"] / med["fastpar"], 3),
         fastpar_cpu_ms=round(cpu_med["fastpar"] * 1e3, 2),
         torch_cpu_ms=round(cpu_med["torch"] * 1e3, 2),
         cpu_ratio=round(cpu_med["torch"] / cpu_med["fastpar"], 3),
