@@ -209,7 +209,13 @@ def split_views(flat: torch.Tensor, sizes: list, not_1d, *, autograd_views: bool
 
 
 def byte_views(buf: torch.Tensor, plan, layout) -> list:
-    """Views of ``buf`` shaped like ``plan``'s tensors, in the plan's order."""
+    """Tensors over ``buf`` shaped like ``plan``'s tensors, in the plan's order.
+
+    Each has its own version counter, as each copy of torch's ``broadcast_coalesced``
+    does (its NOTE "Version Counter in comm.*_coalesced"): they are made by
+    ``unsafe_split_with_sizes``, not as autograd views of ``buf``. As views they shared
+    ``buf``'s counter, so an in-place update of one replica's buffer (a step counter)
+    made autograd reject a backward through another replica's weight."""
     memo = plan.__dict__.get("_group_views")
     if memo is None:  # per group: sizes and the non-1-D positions (made once per plan)
         shapes = plan.shapes
@@ -218,9 +224,9 @@ def byte_views(buf: torch.Tensor, plan, layout) -> list:
             for g in plan.groups
         ]
     if len(plan.groups) == 1:
-        return split_views(region(buf, plan.groups[0], layout[0]), *memo[0])
+        return split_views(region(buf, plan.groups[0], layout[0]), *memo[0], autograd_views=False)
     result = [None] * len(plan.tensors)
     for g, off, (sizes, not_1d) in zip(plan.groups, layout, memo):
-        for i, v in zip(g.index.tolist(), split_views(region(buf, g, off), sizes, not_1d)):
+        for i, v in zip(g.index.tolist(), split_views(region(buf, g, off), sizes, not_1d, autograd_views=False)):
             result[i] = v
     return result

@@ -17,6 +17,7 @@ zero-fills, and a fresh buffer never needs a separate memset.
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -210,11 +211,23 @@ class RNNLayout:
         return layout
 
     def views(self, buffer: torch.Tensor) -> tuple:
-        """Views of ``buffer`` (a packed buffer of this layout) shaped like the weights."""
+        """Tensors over ``buffer`` (a packed buffer of this layout) shaped like the
+        weights, each with its own version counter (as the weights that torch's
+        ``flatten_parameters`` re-points with ``set_`` keep theirs, and as each copy of
+        ``broadcast_coalesced`` gets one): pieces of ``unsafe_split_with_sizes`` over the
+        weights and the gaps between them, not autograd views sharing ``buffer``'s."""
         _check_out(buffer, self, "buffer")
-        return tuple(
-            buffer.as_strided(s, _contiguous_strides(s), o) for s, o in zip(self.shapes, self.offsets)
-        )
+        sizes, slot, pos = [], [0] * len(self.shapes), 0
+        for i in sorted(range(len(self.shapes)), key=self.offsets.__getitem__):
+            if self.offsets[i] > pos:
+                sizes.append(self.offsets[i] - pos)  # alignment gap before this weight
+            slot[i] = len(sizes)
+            n = math.prod(self.shapes[i])
+            sizes.append(n)
+            pos = self.offsets[i] + n
+        sizes.append(buffer.numel() - pos)  # the tail (may be empty)
+        pieces = buffer.unsafe_split_with_sizes(sizes)
+        return tuple(pieces[slot[i]].view(s) for i, s in enumerate(self.shapes))
 
 
 def _contiguous_strides(shape) -> tuple:

@@ -193,6 +193,17 @@ def test_broadcast_coalesced_shares_one_storage_per_device(backend):
     assert outs[1][0].untyped_storage().data_ptr() != outs[2][0].untyped_storage().data_ptr()
 
 
+
+def test_broadcast_coalesced_copies_have_their_own_version_counters(backend):
+    # As torch's (its NOTE "Version Counter in comm.*_coalesced"): an in-place update of
+    # one copy must not make autograd reject a tensor saved from another copy.
+    ts = [rand(s, d) for s, d in MIXED_SHAPES]
+    outs = comm.broadcast_coalesced(ts, ["cpu", "cpu"])
+    before = [o._version for o in outs[1]]
+    outs[1][0].add_(1)
+    assert outs[1][0]._version == before[0] + 1
+    assert [o._version for o in outs[1][1:]] == before[1:], "one copy's in-place update bumped the others"
+
 def test_broadcast_coalesced_then_reduce_returns_k_times(backend):
     ts = [rand(s, d) for s, d in MIXED_SHAPES]
     outs = comm.broadcast_coalesced(ts, ["cpu"] * 4)

@@ -106,6 +106,35 @@ def test_batch_smaller_than_devices():
     torch.testing.assert_close(dp(x1), model(x1))
 
 
+
+class Counting(nn.Module):
+    """Uses one buffer in forward and bumps another in place, as modules that count
+    their calls do."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.register_buffer("mask", torch.rand(3, dtype=torch.float64))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, x):
+        y = self.lin(x) * self.mask  # mask is saved for backward
+        self.calls += 1
+        return y
+
+
+def test_in_place_buffer_update_in_a_replica_leaves_other_buffers_usable():
+    # Replica buffers share one storage but not one version counter: with a shared one,
+    # `calls += 1` on replica 1 invalidated its `mask` saved for backward.
+    model = Counting().double()
+    ref = Counting().double()
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(6, 4, dtype=torch.float64)
+    DataParallel(model, device_ids=["cpu", "cpu"])(x).sum().backward()
+    ref(x).sum().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, dict(ref.named_parameters())[name].grad, **TOL, msg=f"{name}.grad")
+
 Pair = collections.namedtuple("Pair", "a b")
 
 

@@ -104,6 +104,10 @@ def test_layout_views_and_constructor_checks():
     for v, s, o in zip(views, layout.shapes, layout.offsets):
         assert tuple(v.shape) == s and v.data_ptr() == buf.data_ptr() + 4 * o
     assert views[0].reshape(-1)[0] == 0
+    # Each weight has its own version counter (as torch's set_-based flattening keeps).
+    before = [v._version for v in views]
+    views[1].add_(1)
+    assert [v._version for v in views] == [b + (i == 1) for i, b in enumerate(before)]
     with pytest.raises(ValueError, match="overlap"):
         dataclasses.replace(layout, offsets=(0,) * len(layout.offsets))
     with pytest.raises(ValueError, match="outside the buffer"):
