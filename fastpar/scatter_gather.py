@@ -15,11 +15,12 @@ def _is_namedtuple(obj) -> bool:
     return isinstance(obj, tuple) and hasattr(obj, "_asdict") and hasattr(obj, "_fields")
 
 
-def scatter(inputs, target_devices, dim=0):
+def scatter(inputs, target_gpus, dim=0):
     r"""Slice tensors into approximately equal chunks along ``dim``, one per device;
     tuples, lists, dicts and namedtuples are walked, other objects are referenced once
-    per device. A batch smaller than the device count gives fewer chunks."""
-    devs = comm._devices(target_devices, "target_devices")
+    per device. A batch smaller than the device count gives fewer chunks.
+    ``target_gpus`` (torch's name) may also hold ``"cpu"`` entries."""
+    devs = comm._devices(target_gpus, "target_gpus")
 
     def scatter_map(obj):
         if isinstance(obj, torch.Tensor):
@@ -40,10 +41,24 @@ def scatter(inputs, target_devices, dim=0):
         scatter_map = None  # break the closure's reference cycle
 
 
-def scatter_kwargs(inputs, kwargs, target_devices, dim=0):
-    r"""Scatter ``inputs`` and ``kwargs``; pads the shorter with empty tuples/dicts."""
-    scattered_inputs = scatter(inputs, target_devices, dim) if inputs else []
-    scattered_kwargs = scatter(kwargs, target_devices, dim) if kwargs else []
+def scatter_kwargs(inputs, kwargs, target_gpus, dim=0):
+    r"""Scatter ``inputs`` and ``kwargs``. When only one of them is given (or holds
+    anything), the other is padded with empty tuples/dicts, as torch does.
+
+    Raises:
+        ValueError: both are given and split into different numbers of chunks (say a
+            positional batch of 4 and a keyword tensor of 2 rows on 4 devices). torch's
+            ``parallel_apply`` then fails an assertion; padding the shorter instead would
+            run some replicas without their keyword arguments.
+    """
+    scattered_inputs = scatter(inputs, target_gpus, dim) if inputs else []
+    scattered_kwargs = scatter(kwargs, target_gpus, dim) if kwargs else []
+    if scattered_inputs and scattered_kwargs and len(scattered_inputs) != len(scattered_kwargs):
+        raise ValueError(
+            f"inputs split into {len(scattered_inputs)} chunks along dim {dim} but kwargs into "
+            f"{len(scattered_kwargs)}; every tensor argument needs at least as many entries along "
+            "that dim as the smallest, and the same count decides the number of replicas"
+        )
     if len(scattered_inputs) < len(scattered_kwargs):
         scattered_inputs.extend(() for _ in range(len(scattered_kwargs) - len(scattered_inputs)))
     elif len(scattered_kwargs) < len(scattered_inputs):
@@ -66,9 +81,11 @@ def gather(outputs, target_device, dim=0):
             if not all(len(out) == len(d) for d in outs):
                 raise ValueError("All dicts must have the same number of keys")
             return type(out)((k, gather_map([d[k] for d in outs])) for k in out)
+        # strict: replicas returning sequences of different lengths is an error (as in
+        # torch), not a silently truncated result.
         if _is_namedtuple(out):
-            return type(out)._make(map(gather_map, zip(*outs)))
-        return type(out)(map(gather_map, zip(*outs)))
+            return type(out)._make(map(gather_map, zip(*outs, strict=True)))
+        return type(out)(map(gather_map, zip(*outs, strict=True)))
 
     try:
         return gather_map(outputs)
