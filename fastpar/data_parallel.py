@@ -1,6 +1,7 @@
 """``fastpar.DataParallel``: a drop-in for ``torch.nn.DataParallel`` on fastpar's kernels."""
 from __future__ import annotations
 
+import warnings
 from itertools import chain
 
 import torch
@@ -20,6 +21,19 @@ def _index(device: torch.device):
 
 def _default_device_ids():
     return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else None
+
+
+def _names_cpu(d) -> bool:
+    try:
+        return isinstance(d, (str, torch.device)) and torch.device(d).type == "cpu"
+    except RuntimeError:  # not a device string: left to the validation that names it
+        return False
+
+
+def _cuda_ids_without_cuda(device_ids) -> bool:
+    """True if ``device_ids`` asks for no CPU replica and there is no CUDA: torch's
+    wrapper then ignores the ids (no accelerator, no parallelism)."""
+    return not torch.cuda.is_available() and not any(_names_cpu(d) for d in device_ids)
 
 
 class DataParallel(Module):
@@ -65,6 +79,12 @@ class DataParallel(Module):
         torch._C._log_api_usage_once("fastpar.DataParallel")
         if device_ids is None:
             device_ids = _default_device_ids()
+        elif _cuda_ids_without_cuda(device_ids):
+            warnings.warn(
+                f"fastpar.DataParallel: CUDA is not available, so device_ids={list(device_ids)!r} are "
+                "ignored and the module runs as is (as torch.nn.DataParallel does); pass "
+                "device_ids=['cpu', 'cpu'] for replicas in host memory", UserWarning, stacklevel=2)
+            device_ids = None
         if device_ids is None:
             # As torch: no accelerator, no parallelism; the wrapper calls the module.
             self.module = module
@@ -135,11 +155,20 @@ def _flatten_rnns(module) -> None:
 
 def data_parallel(module, inputs, device_ids=None, output_device=None, dim=0, module_kwargs=None):
     r"""Evaluate ``module(input)`` in parallel across ``device_ids``: the functional form
-    of :class:`DataParallel` (same arguments, as ``torch.nn.parallel.data_parallel``)."""
+    of :class:`DataParallel` (same arguments, as ``torch.nn.parallel.data_parallel``).
+
+    Without CUDA, ``device_ids=None`` calls ``module`` as is (torch's raises
+    "device type could not be determined"), and CUDA ids raise :class:`RuntimeError`."""
     if not isinstance(inputs, tuple):
         inputs = (inputs,) if inputs is not None else ()
     if device_ids is None:
         device_ids = _default_device_ids()
+    elif _cuda_ids_without_cuda(device_ids):
+        # torch's data_parallel raises here too (it finds no device type).
+        raise RuntimeError(
+            f"device_ids={list(device_ids)!r} name no CPU replica and CUDA is not available; "
+            "pass device_ids=['cpu', 'cpu'] for replicas in host memory"
+        )
     if device_ids is None:
         return module(*inputs, **(module_kwargs or {}))
     devs = comm._devices(list(device_ids), "device_ids")

@@ -135,6 +135,7 @@ def test_in_place_buffer_update_in_a_replica_leaves_other_buffers_usable():
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, dict(ref.named_parameters())[name].grad, **TOL, msg=f"{name}.grad")
 
+
 Pair = collections.namedtuple("Pair", "a b")
 
 
@@ -282,6 +283,33 @@ def test_no_devices_without_cuda_calls_module():
     dp = DataParallel(m)
     x = torch.randn(3, 2)
     assert dp.device_ids == [] and torch.equal(dp(x), m(x))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA ids would be used")
+def test_cuda_ids_without_cuda_run_the_module_as_torch_does():
+    # torch's wrapper ignores device_ids when there is no accelerator; fastpar does too,
+    # and says so (a user may have meant "cpu" replicas).
+    m = nn.Linear(2, 2)
+    x = torch.randn(3, 2)
+    for ids in ([0, 1], [], ["cuda:0"]):
+        with pytest.warns(UserWarning, match=r"CUDA is not available, so device_ids=.* are ignored"):
+            dp = DataParallel(m, device_ids=ids)
+        assert dp.device_ids == [] and torch.equal(dp(x), m(x))
+    with pytest.raises(RuntimeError, match=r"device_ids=\[0, 1\] name no CPU replica and CUDA is not available"):
+        data_parallel(m, x, device_ids=[0, 1])
+
+
+def test_mismatched_kwargs_chunks_are_an_error_not_padding():
+    class TwoInputs(nn.Module):
+        def forward(self, x, y=None):
+            return x + (0 if y is None else y.sum())
+
+    dp = DataParallel(TwoInputs(), device_ids=["cpu"] * 4)
+    x, y = torch.randn(4, 2), torch.randn(2, 2)
+    # Four chunks of x but two of y: padding would run replicas 2 and 3 without y.
+    with pytest.raises(ValueError, match="inputs split into 4 chunks along dim 0 but kwargs into 2"):
+        dp(x, y=y)
+    torch.testing.assert_close(dp(x, y=torch.randn(4, 2)).shape, torch.Size([4, 2]))
 
 
 @pytest.mark.parametrize("be", ["numba", "triton"])
