@@ -528,6 +528,15 @@ def scatter(tensor, devices=None, chunk_sizes=None, dim=0, streams=None, *, out=
     return tuple(result)
 
 
+def _shared_memory_format(ts) -> torch.memory_format:
+    """``channels_last`` (or ``channels_last_3d``) if every tensor is laid out so and
+    not also plainly contiguous (torch's ``suggest_memory_format``), else contiguous."""
+    for fmt, ndim in ((torch.channels_last, 4), (torch.channels_last_3d, 5)):
+        if all(t.dim() == ndim and t.is_contiguous(memory_format=fmt) and not t.is_contiguous() for t in ts):
+            return fmt
+    return torch.contiguous_format
+
+
 def _dim(dim, ndim: int) -> int:
     if isinstance(dim, bool) or not isinstance(dim, int) or not -ndim <= dim < ndim:
         raise ValueError(f"dim must be an int in [{-ndim}, {ndim}), got {dim!r}")
@@ -583,8 +592,18 @@ def gather(tensors, dim=0, destination=None, *, out=None):
         if destination is None:
             dst = torch.device("cpu") if devs[0].type == "cpu" else torch.device("cuda", torch.cuda.current_device())
         else:
+            if isinstance(destination, int) and not isinstance(destination, bool) and destination == -1:
+                warnings.warn(  # torch's words and category
+                    "Using -1 to represent CPU tensor is deprecated. Please use a "
+                    'device object or string instead, e.g., "cpu".',
+                    FutureWarning, stacklevel=2,
+                )
             dst = _device(destination, "destination")
-        out = _alloc.empty(shape, dtype=t0.dtype, device=dst)
+        fmt = _shared_memory_format(ts)
+        if fmt is torch.contiguous_format:
+            out = _alloc.empty(shape, dtype=t0.dtype, device=dst)
+        else:  # as torch's gather: a layout every input shares is kept
+            out = torch.empty(shape, dtype=t0.dtype, device=dst, memory_format=fmt)
     if dim == 0 and out.is_contiguous() and all(t.device == dst for t in ts) and out.numel():
         # Rows of a contiguous result along dim 0 are the inputs laid end to end: one
         # flatten launch instead of one copy per input.

@@ -262,6 +262,23 @@ def test_gather_scalars_warns_and_unsqueezes():
     assert torch.equal(g, torch.tensor([1.0, 2.0]))
 
 
+
+def test_gather_keeps_a_shared_channels_last_layout():
+    # As torch's gather (suggest_memory_format of every input).
+    ts = [torch.randn(n, 3, 4, 5).to(memory_format=torch.channels_last) for n in (2, 3)]
+    out = comm.gather(ts, 0, "cpu")
+    assert out.is_contiguous(memory_format=torch.channels_last) and not out.is_contiguous()
+    assert torch.equal(out, torch.cat(ts))
+    mixed = comm.gather([ts[0], ts[1].contiguous()], 0, "cpu")
+    assert mixed.is_contiguous() and torch.equal(mixed, torch.cat(ts))
+
+
+def test_gather_to_minus_one_warns_as_torch():
+    ts = [torch.randn(2, 3), torch.randn(1, 3)]
+    with pytest.warns(FutureWarning, match="Using -1 to represent CPU tensor is deprecated"):
+        out = comm.gather(ts, 0, -1)
+    assert out.device.type == "cpu" and torch.equal(out, torch.cat(ts))
+
 def test_gather_out():
     ts = [torch.randn(2, 3), torch.randn(1, 3)]
     out = poison_(torch.empty(3, 3))
