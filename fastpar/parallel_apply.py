@@ -33,7 +33,8 @@ def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
         modules (sequence of Module): the replicas.
         inputs (sequence): one positional-argument tuple (or single argument) per module.
         kwargs_tup (sequence of dict, optional): keyword arguments per module.
-        devices (sequence, optional): the device of each module (CUDA or ``"cpu"``).
+        devices (sequence, optional): the device of each module (CUDA or ``"cpu"``; a
+            None entry, or no sequence, means the device of its first tensor input).
 
     Returns:
         list: each module's output, in order. An exception raised in any replica is
@@ -47,11 +48,12 @@ def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
     elif len(kwargs_tup) != len(modules):
         raise ValueError(f"kwargs_tup must have one entry per module ({len(modules)}), got {len(kwargs_tup)}")
     if devices is None:
-        devices = [_device_of(i) or torch.device("cpu") for i in inputs]
-    else:
-        devices = [comm._device(d, f"devices[{i}]") for i, d in enumerate(devices)]
-    if len(devices) != len(modules):
+        devices = [None] * len(modules)
+    elif len(devices) != len(modules):
         raise ValueError(f"devices must have one entry per module ({len(modules)}), got {len(devices)}")
+    # A None entry (as torch allows) is the device of that replica's first tensor input.
+    devices = [(_device_of(x) or torch.device("cpu")) if d is None else comm._device(d, f"devices[{i}]")
+               for i, (d, x) in enumerate(zip(devices, inputs))]
     streams = [torch.cuda.current_stream(d) if d.type == "cuda" else None for d in devices]
     lock = threading.Lock()
     results = {}

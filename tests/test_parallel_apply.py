@@ -1,0 +1,28 @@
+"""``fastpar.parallel_apply``: torch's argument rules, with CPU replicas."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fastpar.parallel_apply import parallel_apply
+
+
+def test_none_devices_take_the_inputs_device():
+    mods = [nn.Linear(2, 2).double(), nn.Linear(2, 2).double()]
+    xs = [torch.randn(3, 2, dtype=torch.float64) for _ in mods]
+    for devices in (None, [None, None], [None, "cpu"]):
+        outs = parallel_apply(mods, [(x,) for x in xs], None, devices)
+        for m, x, o in zip(mods, xs, outs):
+            torch.testing.assert_close(o, m(x), rtol=0, atol=0)
+
+
+def test_length_mismatches_name_the_argument():
+    mods = [nn.Identity(), nn.Identity()]
+    x = torch.randn(2)
+    with pytest.raises(ValueError, match="modules and inputs must have the same length, got 2 and 1"):
+        parallel_apply(mods, [(x,)])
+    with pytest.raises(ValueError, match=r"kwargs_tup must have one entry per module \(2\), got 1"):
+        parallel_apply(mods, [(x,), (x,)], [{}])
+    with pytest.raises(ValueError, match=r"devices must have one entry per module \(2\), got 3"):
+        parallel_apply(mods, [(x,), (x,)], None, ["cpu"] * 3)
