@@ -349,7 +349,7 @@ def _value(fut):
     return fut.value()[0]
 
 
-def allreduce_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def allreduce_hook(process_group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     r"""Average the gradient bucket across the process group with one ``all_reduce``.
 
     A drop-in for ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks
@@ -376,8 +376,9 @@ def allreduce_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch
     buckets and other dtypes go to ``Tensor.div_``.
 
     Args:
-        state (ProcessGroup or None): the group to average over; None means the default
-            group (``dist.group.WORLD``), as torch's hooks accept.
+        process_group (ProcessGroup or None): the group to average over (DDP passes
+            the ``state`` given at registration); None means the default group
+            (``dist.group.WORLD``), as torch's hooks accept.
         bucket (dist.GradBucket): the bucket DDP hands to the hook.
 
     Returns:
@@ -388,7 +389,7 @@ def allreduce_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch
         >>> # xdoctest: +SKIP
         >>> fastpar.ddp.register(ddp_model, fastpar.ddp.allreduce_hook)
     """
-    group = _group_of(state)
+    group = _group_of(process_group, "process_group")
     buf = bucket.buffer()
     _check_once(group, buf, buf.dtype, "allreduce_hook")
     n = group.size()
@@ -414,7 +415,7 @@ _compress_hooks: dict = {}
 def compress_hook(dtype: torch.dtype = torch.bfloat16):
     r"""A DDP communication hook that all-reduces gradients in ``dtype``.
 
-    The returned ``hook(state, bucket)`` takes one fused fastpar pass to scale the bucket
+    The returned ``hook(process_group, bucket)`` takes one fused fastpar pass to scale the bucket
     by ``1 / world_size`` and cast it into a ``dtype`` buffer, all-reduces that buffer
     (sum), and takes one fused pass to cast the sum back into the bucket buffer, which the
     future then holds. The ``dtype`` buffer is kept per bucket (keyed on the bucket's
@@ -443,7 +444,7 @@ def compress_hook(dtype: torch.dtype = torch.bfloat16):
             model). Default: ``torch.bfloat16``.
 
     Returns:
-        Callable: ``hook(state, bucket) -> Future[Tensor]``, ``state`` a process group or
+        Callable: ``hook(process_group, bucket) -> Future[Tensor]``, ``process_group`` a process group or
         None for the default group. The same object for the same ``dtype``.
 
     Raises:
@@ -470,8 +471,8 @@ def _make_compress_hook(dtype: torch.dtype):
     short = str(dtype).replace("torch.", "")
     who = f"compress_hook({short})"
 
-    def hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        group = _group_of(state)
+    def hook(process_group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        group = _group_of(process_group, "process_group")
         buf = bucket.buffer()
         _check_once(group, buf, dtype, who)
         entry = _buckets.get(buf)

@@ -993,3 +993,12 @@ def test_cuda_nccl_hooks_match_torch_hooks_bit_for_bit():
 
     res = subprocess.run([sys.executable, "-c", NCCL_SCRIPT], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr
+
+
+def test_hooks_take_torch_hooks_argument_names():
+    import inspect
+
+    names = lambda f: list(inspect.signature(f).parameters)  # noqa: E731
+    assert names(fddp.allreduce_hook) == names(torch_hooks.allreduce_hook) == ["process_group", "bucket"]
+    for ours in (fddp.fp16_compress_hook, fddp.bf16_compress_hook, fddp.compress_hook(torch.float16)):
+        assert names(ours) == names(torch_hooks.fp16_compress_hook)
