@@ -27,6 +27,8 @@ and returned by :func:`reduce_path`:
 """
 from __future__ import annotations
 
+import functools
+
 import logging
 import warnings
 import weakref
@@ -256,7 +258,8 @@ def reduce_add(inputs, destination=None):
                 f"(on {t0.device}) has shape {tuple(t0.shape)} and dtype {t0.dtype}"
             )
     dst = _destination(destination, devs)
-    _check_reducible(t0.dtype, "inputs")
+    if not t0.dtype.is_complex:
+        _check_reducible(t0.dtype, "inputs")
     if len(tensors) == 1:
         return tensors[0]  # as torch: nothing to add
     [result] = reduce_add_coalesced([[t] for t in tensors], dst)
@@ -289,16 +292,27 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
     Returns:
         A list of tensors on ``destination``, in input order: ``out`` if given, else
         pieces of one new buffer per dtype (separate tensors, not autograd views of that
-        buffer). 16-bit floats are accumulated in float32 and rounded once.
+        buffer). 16-bit floats are accumulated in float32 and rounded once; complex
+        tensors are summed as their real views. Sparse COO tensors (without ``out``)
+        follow torch: a position sparse on every device is summed with ``torch.add``
+        into a sparse result, a position sparse on some devices only is densified.
     """
     _check_buffer_size(buffer_size)
     if not isinstance(inputs, (list, tuple)) or not inputs:
         raise TypeError(f"inputs must be a non-empty list of per-device tensor lists, got {inputs!r:.80}")
-    plans = [plan_for(lst, f"inputs[{k}]") for k, lst in enumerate(inputs)]
+    try:
+        plans = [plan_for(lst, f"inputs[{k}]") for k, lst in enumerate(inputs)]
+    except TypeError:
+        # Looked for only once the fast path has refused the lists (no per-call scan).
+        if out is None and _has_sparse(inputs):
+            return _reduce_with_sparse(inputs, destination, buffer_size)
+        raise
     devs = [p.device for p in plans]
     _check_device_set(devs, "inputs' devices", unique=False)
     _check_same_layout(plans)
     dst = _destination(destination, devs)
+    if any(g.dtype.is_complex for g in plans[0].groups):
+        return _reduce_complex(inputs, destination, buffer_size, out)
     for g in plans[0].groups:
         _check_reducible(g.dtype, f"inputs[0][{int(g.index[0])}]")
     if out is not None:
@@ -331,6 +345,71 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
         increment_versions(out_plan.tensors, out_plan.impls)
         return list(out)
     return result
+
+
+def _has_sparse(inputs) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.layout == torch.sparse_coo
+               for lst in inputs if isinstance(lst, (list, tuple)) for t in lst)
+
+
+def _reduce_with_sparse(inputs, destination, buffer_size) -> list:
+    """torch's rule for sparse COO gradients (an ``nn.Embedding(sparse=True)``): a
+    position sparse on every device is summed as sparse tensors on the destination
+    (``torch.add``, as torch's ``reduce_add`` does); a position sparse on some devices
+    only is densified; the dense positions are reduced together by the fused kernel."""
+    lists = [list(lst) if isinstance(lst, (list, tuple)) else lst for lst in inputs]
+    for k, lst in enumerate(lists):
+        if not isinstance(lst, list) or len(lst) != len(lists[0]):
+            raise ValueError(
+                f"inputs[{k}] must be a list of {len(lists[0])} tensors (one per position, as inputs[0]), "
+                f"got {type(lst).__name__}{f' of {len(lst)}' if isinstance(lst, list) else ''}"
+            )
+    for k, lst in enumerate(lists):
+        for i, t in enumerate(lst):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"inputs[{k}][{i}] must be a torch.Tensor, got {type(t).__name__}")
+            if t.layout not in (torch.strided, torch.sparse_coo):
+                _check_tensor(t, f"inputs[{k}][{i}]")  # raises, naming the layout
+    devs = [lst[0].device for lst in lists] if lists[0] else []
+    dst = _destination(destination, devs) if devs else None
+    result, dense = [None] * len(lists[0]), []
+    for i, col in enumerate(zip(*lists)):
+        for k, t in enumerate(col):
+            if t.shape != col[0].shape or t.dtype != col[0].dtype:
+                raise ValueError(
+                    f"position {i}: inputs[{k}][{i}] on {t.device} has shape {tuple(t.shape)} ({t.dtype}) but "
+                    f"inputs[0][{i}] on {col[0].device} has shape {tuple(col[0].shape)} ({col[0].dtype})"
+                )
+        if all(t.layout == torch.sparse_coo for t in col):
+            result[i] = functools.reduce(torch.add, [t.to(dst) for t in col])
+        else:
+            dense.append(i)
+    if dense:
+        sums = reduce_add_coalesced(
+            [[lst[i].to_dense() if lst[i].layout == torch.sparse_coo else lst[i] for i in dense] for lst in lists],
+            destination, buffer_size,
+        )
+        for i, total in zip(dense, sums):
+            result[i] = total
+    return result
+
+
+def _as_real(tensors) -> list:
+    return [torch.view_as_real(t) if t.is_complex() else t for t in tensors]
+
+
+def _reduce_complex(inputs, destination, buffer_size, out):
+    """Complex positions are summed as their real views (pairs of floats), as torch's
+    comm does with ``view_as_real``; the results are complex views of real pieces."""
+    was_complex = [t.is_complex() for t in inputs[0]]
+    result = reduce_add_coalesced([_as_real(lst) for lst in inputs], destination, buffer_size,
+                                  out=None if out is None else _as_real(out))
+    if out is not None:
+        return list(out)
+    # A piece that follows an odd number of reals in the shared buffer is copied: a
+    # complex view needs a storage offset of whole complex elements.
+    return [torch.view_as_complex(r if r.storage_offset() % 2 == 0 else r.clone()) if c else r
+            for r, c in zip(result, was_complex)]
 
 
 def _result_buffers(plan, dst):

@@ -110,6 +110,46 @@ def test_reduce_add_coalesced_into_out(backend):
         assert_close(o, e, what=f"out[{i}]", tol=reduce_tol(o.dtype, 3))
 
 
+@pytest.mark.parametrize("cdtype", [torch.complex64, torch.complex128], ids=str)
+def test_reduce_add_coalesced_complex_as_real_views(backend, cdtype):
+    # torch's comm sums complex tensors through view_as_real; so does fastpar.
+    real = {torch.complex64: torch.float32, torch.complex128: torch.float64}[cdtype]
+    lists = [[torch.randn(7, 3, dtype=cdtype), torch.randn(5, dtype=real), torch.randn((), dtype=cdtype)]
+             for _ in range(3)]
+    expected = [sum(lst[i].to(torch.complex128 if lst[i].is_complex() else torch.float64) for lst in lists)
+                for i in range(3)]
+    res = comm.reduce_add_coalesced(lists, "cpu")
+    for i, (r, e) in enumerate(zip(res, expected)):
+        assert r.dtype == lists[0][i].dtype and r.shape == lists[0][i].shape
+        if r.is_complex():
+            r, e = torch.view_as_real(r), torch.view_as_real(e)
+        assert_close(r, e, what=f"result[{i}]", tol=reduce_tol(real, 3))
+    out = [poison_(torch.empty_like(t)) for t in lists[0]]
+    assert comm.reduce_add_coalesced(lists, "cpu", out=out) == out
+    for i, (o, r) in enumerate(zip(out, res)):
+        assert torch.equal(o, r), f"out[{i}] differs from the allocating call's result"
+    assert torch.equal(comm.reduce_add([lst[0] for lst in lists], "cpu"), res[0])
+
+
+def test_reduce_add_coalesced_sparse_follows_torch(backend):
+    # A position sparse on every device stays sparse (summed with torch.add); sparse on
+    # some devices only is densified; dense positions go through the kernel.
+    def sparse(rows):
+        return torch.sparse_coo_tensor(torch.tensor([rows]), torch.randn(len(rows), 3, dtype=torch.float64), (6, 3),
+                                       check_invariants=True)
+
+    lists = [[sparse([0, 2]), torch.randn(5, dtype=torch.float64), sparse([1])],
+             [sparse([2, 5]), torch.randn(5, dtype=torch.float64), sparse([4]).to_dense()]]
+    res = comm.reduce_add_coalesced(lists, "cpu")
+    assert res[0].layout == torch.sparse_coo and res[1].layout == res[2].layout == torch.strided
+    dense = lambda t: t.to_dense() if t.layout == torch.sparse_coo else t  # noqa: E731
+    for i, r in enumerate(res):
+        assert_close(dense(r), dense(lists[0][i]) + dense(lists[1][i]), what=f"result[{i}]", tol=TOL[torch.float64])
+    with pytest.raises(ValueError, match=r"position 0: inputs\[1\]\[0\] on cpu has shape \(7, 3\)"):
+        comm.reduce_add_coalesced([lists[0], [torch.sparse_coo_tensor(torch.tensor([[0]]), torch.ones(1, 3), (7, 3),
+                                                                       check_invariants=True),
+                                              *lists[1][1:]]], "cpu")
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_reduce_add_into_out_large_streamed(dtype):
     # Over 16 MiB of float32/float64 results into existing tensors: the Numba kernel

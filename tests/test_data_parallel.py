@@ -136,6 +136,30 @@ def test_in_place_buffer_update_in_a_replica_leaves_other_buffers_usable():
         torch.testing.assert_close(p.grad, dict(ref.named_parameters())[name].grad, **TOL, msg=f"{name}.grad")
 
 
+class SparseAndComplex(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4, sparse=True, dtype=torch.float64)
+        self.lin = nn.Linear(4, 2, dtype=torch.complex128)
+
+    def forward(self, idx):
+        return self.lin(self.emb(idx).sum(1).to(torch.complex128)).abs()
+
+
+def test_sparse_and_complex_gradients_reach_the_module_as_torch_does():
+    # Embedding(sparse=True) gives sparse gradients, a complex Linear complex ones: both
+    # are reduced in backward (they raised TypeError there before).
+    model = SparseAndComplex()
+    ref = SparseAndComplex()
+    ref.load_state_dict(model.state_dict())
+    idx = torch.randint(0, 10, (6, 3))
+    DataParallel(model, device_ids=["cpu", "cpu", "cpu"])(idx).sum().backward()
+    ref(idx).sum().backward()
+    assert model.emb.weight.grad.layout == torch.sparse_coo
+    torch.testing.assert_close(model.emb.weight.grad.to_dense(), ref.emb.weight.grad.to_dense(), **TOL)
+    torch.testing.assert_close(model.lin.weight.grad, ref.lin.weight.grad, **TOL)
+
+
 Pair = collections.namedtuple("Pair", "a b")
 
 
