@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import warnings
 from itertools import chain
+from typing import TypeVar
 
 import torch
 from torch.nn.modules import Module
@@ -13,6 +14,8 @@ from .replicate import replicate
 from .scatter_gather import gather, scatter_kwargs
 
 __all__ = ["DataParallel", "data_parallel"]
+
+T = TypeVar("T", bound=Module)
 
 
 def _index(device: torch.device):
@@ -36,7 +39,7 @@ def _cuda_ids_without_cuda(device_ids) -> bool:
     return not torch.cuda.is_available() and not any(_names_cpu(d) for d in device_ids)
 
 
-class DataParallel(Module):
+class DataParallel(torch.nn.DataParallel[T]):
     r"""Implements data parallelism at the module level, as ``torch.nn.DataParallel``.
 
     Splits the input across the devices along ``dim``, replicates the module on each
@@ -75,7 +78,10 @@ class DataParallel(Module):
     """
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0):
-        super().__init__()
+        # A subclass of torch's, so that isinstance checks (checkpoint code unwrapping
+        # ``.module``, torch's own) see a DataParallel; its __init__ is replaced, not
+        # called (torch's would check CUDA devices and refuse "cpu" replicas).
+        Module.__init__(self)
         torch._C._log_api_usage_once("fastpar.DataParallel")
         if device_ids is None:
             device_ids = _default_device_ids()

@@ -283,6 +283,15 @@ def test_backend_and_cpu_autocast_reach_replica_threads():
     assert out.dtype == torch.bfloat16
 
 
+def test_is_a_torch_data_parallel():
+    # Checkpoint code unwraps with isinstance(model, nn.DataParallel); torch's class is
+    # also subscriptable (Generic).
+    dp = DataParallel(nn.Linear(2, 2), device_ids=["cpu", "cpu"])
+    assert isinstance(dp, nn.DataParallel)
+    assert DataParallel[nn.Linear] is not None
+    assert list(dp.state_dict()) == list(nn.DataParallel(nn.Linear(2, 2)).state_dict())
+
+
 def test_device_ids_are_torch_style():
     dp = DataParallel(nn.Linear(2, 2), device_ids=["cpu", "cpu"])
     assert dp.device_ids == [torch.device("cpu")] * 2 and dp.output_device == torch.device("cpu")
