@@ -81,7 +81,7 @@ def dp_steps():
     with torch_algorithm() as rep:
         def torch_step():
             reps = rep(net, 2)
-            outs = fastpar.parallel_apply.parallel_apply(reps, [(c,) for c in x.chunk(2)], None, ["cpu", "cpu"])
+            outs = fastpar.parallel_apply(reps, [(c,) for c in x.chunk(2)], None, ["cpu", "cpu"])
             torch.cat(outs).sum().backward()
 
         steps = {"fastpar": lambda: dp(x).sum().backward(), "torch": torch_step}

@@ -1,8 +1,9 @@
 """fastpar: single-launch data-parallel kernels for PyTorch.
 
 Multi-tensor flatten/unflatten, fused reduce-add (:mod:`fastpar.comm`), cuDNN-layout RNN
-packing (:mod:`fastpar.rnn`), and drop-ins for ``torch.nn.parallel``'s replicate and
-DataParallel, on Triton (CUDA) and Numba (CPU) kernels. DDP communication hooks live in
+packing (:mod:`fastpar.rnn`), and drop-ins for ``torch.nn.parallel``'s ``DataParallel``,
+``data_parallel``, ``replicate``, ``scatter``, ``gather`` and ``parallel_apply`` (the
+same names at the top level, as there), on Triton (CUDA) and Numba (CPU) kernels. DDP communication hooks live in
 :mod:`fastpar.ddp` (``import fastpar.ddp``; it needs ``torch.distributed``).
 """
 from __future__ import annotations
@@ -14,7 +15,9 @@ from ._dispatch import backend_for, use_backend
 from ._flatten import flatten, unflatten, unflatten_into
 from ._plan import clear_plan_cache
 from .data_parallel import DataParallel, data_parallel
+from .parallel_apply import parallel_apply
 from .replicate import replicate
+from .scatter_gather import gather, scatter
 
 __version__ = "0.1.0"
 
@@ -27,8 +30,11 @@ __all__ = [
     "count_launches",
     "data_parallel",
     "flatten",
+    "gather",
+    "parallel_apply",
     "replicate",
     "rnn",
+    "scatter",
     "unflatten",
     "unflatten_into",
     "use_backend",

@@ -26,3 +26,13 @@ def test_length_mismatches_name_the_argument():
         parallel_apply(mods, [(x,), (x,)], [{}])
     with pytest.raises(ValueError, match=r"devices must have one entry per module \(2\), got 3"):
         parallel_apply(mods, [(x,), (x,)], None, ["cpu"] * 3)
+
+
+def test_top_level_names_are_torch_nn_parallel_s():
+    import fastpar
+    from fastpar import scatter_gather
+
+    # As in torch.nn.parallel: the functions, under the same names, at the top level.
+    assert fastpar.parallel_apply is parallel_apply
+    assert fastpar.scatter is scatter_gather.scatter and fastpar.gather is scatter_gather.gather
+    assert {"parallel_apply", "scatter", "gather", "replicate", "data_parallel", "DataParallel"} <= set(fastpar.__all__)
