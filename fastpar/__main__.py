@@ -1,6 +1,6 @@
-"""``python -m fastpar``: ``info`` (environment and backends), ``bench [--quick]``
-(fastpar vs torch on the real workloads: table, JSON and plot under ``results/bench/``)
-and ``autotune [--quick]`` (tune launch parameters; saved under ``results/autotune/``)."""
+"""python -m fastpar: info (environment and backends), bench [--quick] (fastpar vs
+torch on the real workloads: table, JSON and plot under results/bench/) and autotune
+[--quick] (tune launch parameters; saved under results/autotune/)."""
 from __future__ import annotations
 
 import argparse
