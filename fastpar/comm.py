@@ -290,7 +290,7 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
             the source module); they must not overlap the inputs.
 
     Returns:
-        A list of tensors on ``destination``, in input order: ``out`` if given, else
+        A tuple of tensors on ``destination`` (as torch's), in input order: ``out``'s if given, else
         pieces of one new buffer per dtype (separate tensors, not autograd views of that
         buffer). 16-bit floats are accumulated in float32 and rounded once; complex
         tensors are summed as their real views. Sparse COO tensors (without ``out``)
@@ -343,8 +343,8 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
         _cuda.release_to(dst, devs)
     if out is not None:
         increment_versions(out_plan.tensors, out_plan.impls)
-        return list(out)
-    return result
+        return tuple(out)
+    return tuple(result)
 
 
 def _has_sparse(inputs) -> bool:
@@ -391,7 +391,7 @@ def _reduce_with_sparse(inputs, destination, buffer_size) -> list:
         )
         for i, total in zip(dense, sums):
             result[i] = total
-    return result
+    return tuple(result)
 
 
 def _as_real(tensors) -> list:
@@ -405,11 +405,11 @@ def _reduce_complex(inputs, destination, buffer_size, out):
     result = reduce_add_coalesced([_as_real(lst) for lst in inputs], destination, buffer_size,
                                   out=None if out is None else _as_real(out))
     if out is not None:
-        return list(out)
+        return tuple(out)
     # A piece that follows an odd number of reals in the shared buffer is copied: a
     # complex view needs a storage offset of whole complex elements.
-    return [torch.view_as_complex(r if r.storage_offset() % 2 == 0 else r.clone()) if c else r
-            for r, c in zip(result, was_complex)]
+    return tuple(torch.view_as_complex(r if r.storage_offset() % 2 == 0 else r.clone()) if c else r
+                 for r, c in zip(result, was_complex))
 
 
 def _result_buffers(plan, dst):
