@@ -395,13 +395,29 @@ def _reduce_with_sparse(inputs, destination, buffer_size) -> list:
 
 
 def _as_real(tensors) -> list:
-    return [torch.view_as_real(t) if t.is_complex() else t for t in tensors]
+    # resolve_conj: a lazily conjugated gradient (of w.conj() or w.mH) has no real view.
+    return [torch.view_as_real(t.resolve_conj()) if t.is_complex() else t for t in tensors]
 
 
 def _reduce_complex(inputs, destination, buffer_size, out):
     """Complex positions are summed as their real views (pairs of floats), as torch's
     comm does with ``view_as_real``; the results are complex views of real pieces."""
     was_complex = [t.is_complex() for t in inputs[0]]
+    if out is not None:
+        # Checked here, before the real views hide a complex/real mismatch: a float
+        # (..., 2) out would otherwise pass for a complex (...) input.
+        out = list(out) if isinstance(out, (list, tuple)) else out
+        if not isinstance(out, list) or len(out) != len(was_complex):
+            raise ValueError(f"out must hold {len(was_complex)} tensors (one per input position), got {out!r:.80}")
+        for i, (o, t) in enumerate(zip(out, inputs[0])):
+            if not isinstance(o, torch.Tensor) or o.dtype != t.dtype or o.shape != t.shape:
+                raise ValueError(
+                    f"out[{i}] has shape {tuple(getattr(o, 'shape', ()))} ({getattr(o, 'dtype', type(o).__name__)}) "
+                    f"but the inputs at position {i} have shape {tuple(t.shape)} ({t.dtype})"
+                )
+            if o.is_conj():
+                raise ValueError(f"out[{i}] is a lazily conjugated tensor (is_conj()); pass a resolved one "
+                                 "(resolve_conj()) to be written in place")
     result = reduce_add_coalesced([_as_real(lst) for lst in inputs], destination, buffer_size,
                                   out=None if out is None else _as_real(out))
     if out is not None:

@@ -47,9 +47,8 @@ def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
         kwargs_tup = ({},) * len(modules)
     elif len(kwargs_tup) != len(modules):
         raise ValueError(f"kwargs_tup must have one entry per module ({len(modules)}), got {len(kwargs_tup)}")
-    if devices is None:
-        devices = [None] * len(modules)
-    elif len(devices) != len(modules):
+    devices = [None] * len(modules) if devices is None else list(devices)
+    if len(devices) != len(modules):
         raise ValueError(f"devices must have one entry per module ({len(modules)}), got {len(devices)}")
     # A None entry (as torch allows) is the device of that replica's first tensor input.
     devices = [(_device_of(x) or torch.device("cpu")) if d is None else comm._device(d, f"devices[{i}]")

@@ -15,6 +15,16 @@ def _is_namedtuple(obj) -> bool:
     return isinstance(obj, tuple) and hasattr(obj, "_asdict") and hasattr(obj, "_fields")
 
 
+def _has_tensor(obj) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, (list, tuple)):
+        return any(map(_has_tensor, obj))
+    if isinstance(obj, dict):
+        return any(map(_has_tensor, obj.values()))
+    return False
+
+
 def scatter(inputs, target_gpus, dim=0):
     r"""Slice tensors into approximately equal chunks along ``dim``, one per device;
     tuples, lists, dicts and namedtuples are walked, other objects are referenced once
@@ -45,8 +55,12 @@ def scatter_kwargs(inputs, kwargs, target_gpus, dim=0):
     r"""Scatter ``inputs`` and ``kwargs``. When only one of them is given (or holds
     anything), the other is padded with empty tuples/dicts, as torch does.
 
+    When both split into different numbers of chunks only because one side's extra
+    chunks hold no tensor (objects other than tensors are copied once per device, so a
+    batch of 1 with a float keyword gives 1 and 2 chunks on 2 devices), those are dropped.
+
     Raises:
-        ValueError: both are given and split into different numbers of chunks (say a
+        ValueError: both hold tensors that split into different numbers of chunks (say a
             positional batch of 4 and a keyword tensor of 2 rows on 4 devices). torch's
             ``parallel_apply`` then fails an assertion; padding the shorter instead would
             run some replicas without their keyword arguments.
@@ -54,11 +68,18 @@ def scatter_kwargs(inputs, kwargs, target_gpus, dim=0):
     scattered_inputs = scatter(inputs, target_gpus, dim) if inputs else []
     scattered_kwargs = scatter(kwargs, target_gpus, dim) if kwargs else []
     if scattered_inputs and scattered_kwargs and len(scattered_inputs) != len(scattered_kwargs):
-        raise ValueError(
-            f"inputs split into {len(scattered_inputs)} chunks along dim {dim} but kwargs into "
-            f"{len(scattered_kwargs)}; every tensor argument needs at least as many entries along "
-            "that dim as the smallest, and the same count decides the number of replicas"
-        )
+        # Objects other than tensors are copied once per device: chunks beyond the
+        # tensors' count that hold no tensor (a small last batch with a float keyword)
+        # are dropped; extra chunks holding tensors mean the batches differ.
+        n = min(len(scattered_inputs), len(scattered_kwargs))
+        longer = scattered_inputs if len(scattered_inputs) > n else scattered_kwargs
+        if any(_has_tensor(c) for c in longer[n:]):
+            raise ValueError(
+                f"inputs split into {len(scattered_inputs)} chunks along dim {dim} but kwargs into "
+                f"{len(scattered_kwargs)}; the tensor arguments must have the same size along that dim "
+                "(or each at least as many entries as there are devices)"
+            )
+        del longer[n:]
     if len(scattered_inputs) < len(scattered_kwargs):
         scattered_inputs.extend(() for _ in range(len(scattered_kwargs) - len(scattered_inputs)))
     elif len(scattered_kwargs) < len(scattered_inputs):

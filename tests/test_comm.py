@@ -130,6 +130,19 @@ def test_reduce_add_coalesced_complex_as_real_views(backend, cdtype):
     for i, (o, r) in enumerate(zip(out, res)):
         assert torch.equal(o, r), f"out[{i}] differs from the allocating call's result"
     assert torch.equal(comm.reduce_add([lst[0] for lst in lists], "cpu"), res[0])
+    # Lazily conjugated tensors (the gradient of w.conj()) have no real view until resolved.
+    conj = [[lst[0].conj(), lst[1]] for lst in lists]
+    assert conj[0][0].is_conj()
+    got = comm.reduce_add_coalesced(conj, "cpu")
+    assert_close(torch.view_as_real(got[0]), torch.view_as_real(sum(lst[0].resolve_conj().to(torch.complex128)
+                                                                    for lst in conj)),
+                 what="conjugated sum", tol=reduce_tol(real, 3))
+    # A real (..., 2) out is not a complex (...) result: rejected, not written.
+    bad = [poisoned(7, 3, 2, dtype=real), poison_(torch.empty_like(lists[0][1])), poison_(torch.empty_like(lists[0][2]))]
+    before = snapshot(bad)
+    with pytest.raises(ValueError, match=r"out\[0\] has shape \(7, 3, 2\)"):
+        comm.reduce_add_coalesced(lists, "cpu", out=bad)
+    assert_unchanged(bad, before, what="rejected complex out")
 
 
 def test_reduce_add_coalesced_sparse_follows_torch(backend):

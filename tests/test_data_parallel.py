@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import typing
 
 import pytest
 import torch
@@ -288,7 +289,7 @@ def test_is_a_torch_data_parallel():
     # also subscriptable (Generic).
     dp = DataParallel(nn.Linear(2, 2), device_ids=["cpu", "cpu"])
     assert isinstance(dp, nn.DataParallel)
-    assert DataParallel[nn.Linear] is not None
+    assert typing.get_args(DataParallel[nn.Linear]) == (nn.Linear,)
     assert list(dp.state_dict()) == list(nn.DataParallel(nn.Linear(2, 2)).state_dict())
 
 
@@ -343,6 +344,22 @@ def test_mismatched_kwargs_chunks_are_an_error_not_padding():
     with pytest.raises(ValueError, match="inputs split into 4 chunks along dim 0 but kwargs into 2"):
         dp(x, y=y)
     torch.testing.assert_close(dp(x, y=torch.randn(4, 2)).shape, torch.Size([4, 2]))
+
+
+def test_small_batch_with_a_non_tensor_keyword_runs_on_fewer_replicas():
+    # A batch of 1 on 2 devices gives 1 input chunk, and the float keyword is copied
+    # per device (2 chunks): the copy without a tensor is dropped, as no replica needs it.
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2).double()
+
+        def forward(self, x, scale=1.0):
+            return self.lin(x) * scale
+
+    m = Scaled()
+    x = torch.randn(1, 3, dtype=torch.float64)
+    torch.testing.assert_close(DataParallel(m, device_ids=["cpu", "cpu"])(x, scale=2.0), m(x) * 2.0, **TOL)
 
 
 @pytest.mark.parametrize("be", ["numba", "triton"])

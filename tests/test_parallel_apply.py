@@ -11,7 +11,7 @@ from fastpar.parallel_apply import parallel_apply
 def test_none_devices_take_the_inputs_device():
     mods = [nn.Linear(2, 2).double(), nn.Linear(2, 2).double()]
     xs = [torch.randn(3, 2, dtype=torch.float64) for _ in mods]
-    for devices in (None, [None, None], [None, "cpu"]):
+    for devices in (None, [None, None], [None, "cpu"], iter(["cpu", None])):
         outs = parallel_apply(mods, [(x,) for x in xs], None, devices)
         for m, x, o in zip(mods, xs, outs):
             torch.testing.assert_close(o, m(x), rtol=0, atol=0)
