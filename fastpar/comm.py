@@ -123,7 +123,8 @@ def _check_tensor(t, name: str) -> None:
     if t.layout != torch.strided:
         raise TypeError(
             f"{name} has layout {t.layout}; fastpar.comm takes dense tensors (torch.strided). "
-            "Reduce sparse gradients with torch.nn.parallel.comm, or densify them explicitly."
+            "Densify it explicitly (reduce_add and reduce_add_coalesced also sum positions that "
+            "are sparse COO on every device)."
         )
 
 
@@ -245,8 +246,13 @@ def reduce_add(inputs, destination=None):
 
     Returns:
         A tensor on ``destination`` holding the element-wise sum (16-bit floats are
-        accumulated in float32 and rounded once).
+        accumulated in float32 and rounded once; sparse COO inputs give a sparse sum).
     """
+    if isinstance(inputs, (list, tuple)) and inputs and all(
+            isinstance(t, torch.Tensor) and t.layout == torch.sparse_coo for t in inputs):
+        # As torch's (without NCCL): sparse COO inputs give a sparse sum.
+        [result] = reduce_add_coalesced([[t] for t in inputs], destination)
+        return result
     tensors = _checked_any_device(inputs, "inputs")
     devs = [t.device for t in tensors]
     _check_device_set(devs, "inputs' devices", unique=False)

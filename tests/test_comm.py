@@ -159,6 +159,9 @@ def test_reduce_add_coalesced_sparse_follows_torch(backend):
     dense = lambda t: t.to_dense() if t.layout == torch.sparse_coo else t  # noqa: E731
     for i, r in enumerate(res):
         assert_close(dense(r), dense(lists[0][i]) + dense(lists[1][i]), what=f"result[{i}]", tol=TOL[torch.float64])
+    total = comm.reduce_add([lists[0][0], lists[1][0]], "cpu")
+    assert total.layout == torch.sparse_coo
+    assert_close(total.to_dense(), dense(lists[0][0]) + dense(lists[1][0]), what="reduce_add", tol=TOL[torch.float64])
     with pytest.raises(ValueError, match=r"position 0: inputs\[1\]\[0\] on cpu has shape \(7, 3\)"):
         comm.reduce_add_coalesced([lists[0], [torch.sparse_coo_tensor(torch.tensor([[0]]), torch.ones(1, 3), (7, 3),
                                                                        check_invariants=True),
