@@ -469,7 +469,7 @@ def test_cuda_one_gpu_reduce_add_coalesced(k, offset):
         assert r.device == torch.device("cuda", 0) and r.dtype == lists[0][i].dtype
         assert_close(r, e, what=f"position {i}", tol=reduce_tol(r.dtype, k))
     out = [poison_(torch.empty_like(t)) for t in lists[0]]
-    assert comm.reduce_add_coalesced(lists, "cuda:0", out=out) == out
+    assert comm.reduce_add_coalesced(lists, "cuda:0", out=out) == tuple(out)
     for i, (o, r) in enumerate(zip(out, result)):
         assert torch.equal(o, r), f"out[{i}] differs from the allocating call"
 
@@ -513,8 +513,26 @@ def test_cuda_one_gpu_broadcast_scatter_gather():
     with fastpar.count_launches() as n:
         on_gpu = comm.gather(chunks, 0, 0)
     assert n.by_op == {("triton", "flatten"): 1} and torch.equal(on_gpu, torch.cat(chunks))
-    on_cpu = comm.gather(chunks, 0, -1)
+    with pytest.warns(FutureWarning, match="Using -1 to represent CPU tensor is deprecated"):
+        on_cpu = comm.gather(chunks, 0, -1)
     assert on_cpu.device.type == "cpu" and torch.equal(on_cpu, torch.cat(chunks).cpu())
+    cl = [torch.randn(n, 3, 4, 5, device="cuda").to(memory_format=torch.channels_last) for n in (2, 3)]
+    kept = comm.gather(cl, 0, 0)
+    assert kept.is_contiguous(memory_format=torch.channels_last) and torch.equal(kept, torch.cat(cl))
+
+
+@needs_cuda
+def test_cuda_one_gpu_complex_and_sparse_reduce():
+    lists = [[torch.randn(5, 3, dtype=torch.complex64, device="cuda"), torch.randn(7, device="cuda")] for _ in range(3)]
+    res = comm.reduce_add_coalesced(lists, 0)
+    for i, r in enumerate(res):
+        e = sum(lst[i].cpu().to(torch.complex128 if r.is_complex() else torch.float64) for lst in lists)
+        r, e = (torch.view_as_real(r), torch.view_as_real(e)) if r.is_complex() else (r, e)
+        assert_close(r, e, what=f"position {i}", tol=reduce_tol(torch.float32, 3))
+    sp = [torch.sparse_coo_tensor(torch.tensor([[k, 3]]), torch.randn(2, 2), (6, 2), device="cuda") for k in range(3)]
+    total = comm.reduce_add_coalesced([[t] for t in sp], 0)[0]
+    assert total.layout == torch.sparse_coo and total.device == torch.device("cuda", 0)
+    assert_close(total.to_dense(), sum(t.to_dense() for t in sp), what="sparse sum", tol=reduce_tol(torch.float32, 3))
 
 
 @needs_cuda
