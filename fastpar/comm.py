@@ -246,11 +246,13 @@ def reduce_add(inputs, destination=None):
 
     Returns:
         A tensor on ``destination`` holding the element-wise sum (16-bit floats are
-        accumulated in float32 and rounded once; sparse COO inputs give a sparse sum).
+        accumulated in float32 and rounded once; sparse COO inputs give a sparse sum, or a
+        dense one when a dense input is among them).
     """
-    if isinstance(inputs, (list, tuple)) and inputs and all(
+    if isinstance(inputs, (list, tuple)) and any(
             isinstance(t, torch.Tensor) and t.layout == torch.sparse_coo for t in inputs):
-        # As torch's (without NCCL): sparse COO inputs give a sparse sum.
+        # As torch's (without NCCL): sparse COO inputs give a sparse sum, and with a
+        # dense one among them, a dense sum.
         [result] = reduce_add_coalesced([[t] for t in inputs], destination)
         return result
     tensors = _checked_any_device(inputs, "inputs")

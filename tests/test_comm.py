@@ -162,6 +162,9 @@ def test_reduce_add_coalesced_sparse_follows_torch(backend):
     total = comm.reduce_add([lists[0][0], lists[1][0]], "cpu")
     assert total.layout == torch.sparse_coo
     assert_close(total.to_dense(), dense(lists[0][0]) + dense(lists[1][0]), what="reduce_add", tol=TOL[torch.float64])
+    mixed = comm.reduce_add([lists[0][2], lists[1][2]], "cpu")  # sparse + dense: dense, as torch's
+    assert mixed.layout == torch.strided
+    assert_close(mixed, dense(lists[0][2]) + lists[1][2], what="reduce_add mixed", tol=TOL[torch.float64])
     with pytest.raises(ValueError, match=r"position 0: inputs\[1\]\[0\] on cpu has shape \(7, 3\)"):
         comm.reduce_add_coalesced([lists[0], [torch.sparse_coo_tensor(torch.tensor([[0]]), torch.ones(1, 3), (7, 3),
                                                                        check_invariants=True),
