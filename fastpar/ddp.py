@@ -143,14 +143,16 @@ def _check_reducible(group, device: torch.device, dtype: torch.dtype, who: str, 
         )
 
 
-#: (id of group, device, bucket dtype, hook) already checked by a hook (a hook re-checks
+#: (id of group, device, bucket dtype and layout, hook) already checked by a hook (a hook re-checks
 #: lazily so that a hook registered without :func:`register` still fails on every rank,
 #: before any collective, instead of hanging one of them).
 _checked: set = set()
 
 
 def _check_once(group, buf: torch.Tensor, wire: torch.dtype, who: str) -> None:
-    key = (id(group), buf.device, buf.dtype, who)
+    # The layout is part of the key: a sparse bucket after a dense one of the same dtype
+    # must still be checked (and refused by the casting hooks).
+    key = (id(group), buf.device, buf.dtype, buf.layout, who)
     if key not in _checked:
         if buf.layout != torch.strided and who != "allreduce_hook":
             raise TypeError(
@@ -557,6 +559,11 @@ def register(ddp_model, hook, state=None) -> None:
         )
     if state is None:
         state = ddp_model.process_group
+    elif not isinstance(state, dist.ProcessGroup):
+        raise TypeError(
+            f"state must be None (the model's own process group) or a torch.distributed "
+            f"ProcessGroup, got {type(state).__name__}"
+        )
     group = _group_of(state)
     who = _hook_name(hook)
     wire = hook._fastpar_wire
@@ -647,16 +654,21 @@ def sync_params(module, src: int = 0, process_group=None) -> None:
     me = dist.get_rank()
 
     tensors = [t.detach() for t in [*module.parameters(), *module.buffers()]]
-    # Wire groups: (device, dtype) -> tensors packed into one buffer. Contiguous tensors
-    # go as bytes (views, so unpacking writes the real tensors); non-contiguous ones keep
-    # their dtype so the copy can follow their strides.
+    # Wire groups: device -> tensors packed into one byte buffer (any dtype goes, even
+    # one the backend cannot broadcast). Contiguous tensors go as byte views, so
+    # unpacking writes the real tensors; a non-contiguous one goes through a contiguous
+    # copy, written back after the broadcast (it once kept its dtype on the wire, and an
+    # int16 or uint32 one then failed in gloo after other wires had been sent).
     wires: dict = {}
+    staged = []
     signature = []
     for t in tensors:
         if t.is_contiguous():
             w = t.reshape(-1).view(torch.uint8)
         else:
-            w = t
+            tmp = t.contiguous()
+            staged.append((t, tmp))
+            w = tmp.reshape(-1).view(torch.uint8)
         wires.setdefault((t.device, w.dtype), []).append(w)
         signature.append(f"{t.dtype}{tuple(t.shape)}{t.device.type}{int(t.is_contiguous())}")
 
@@ -682,3 +694,6 @@ def sync_params(module, src: int = 0, process_group=None) -> None:
         dist.broadcast(flat, src=src, group=group)
         if me != src:
             _unpack(flat, ws)
+    if me != src:
+        for t, tmp in staged:
+            t.copy_(tmp)

@@ -65,6 +65,8 @@ def _weight_shapes(mode, input_size, hidden_size, num_layers, bidirectional, bia
 
 def _normalize_device(device) -> torch.device:
     device = torch.device(device)
+    if device.type == "cpu":
+        return torch.device("cpu")  # CPU tensors report "cpu", never "cpu:0"
     if device.type == "cuda" and device.index is None:
         # cuDNN layouts are per device: key them on a concrete index.
         device = torch.device("cuda", torch.cuda.current_device())

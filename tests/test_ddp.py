@@ -247,8 +247,9 @@ def _train_worker(rank):
 
 class SyncNet(nn.Module):
     """Every kind of tensor sync_params moves: float32 weights, BatchNorm running stats and
-    its int64 ``num_batches_tracked``, a bfloat16 parameter, a non-contiguous parameter, a
-    0-dim parameter, an empty parameter and a bool buffer."""
+    its int64 ``num_batches_tracked``, a bfloat16 parameter, a non-contiguous parameter and
+    a non-contiguous int16 buffer (a dtype gloo cannot broadcast), a 0-dim parameter, an
+    empty parameter and a bool buffer."""
 
     def __init__(self, out=4, noncontig=True):
         super().__init__()
@@ -259,6 +260,8 @@ class SyncNet(nn.Module):
         self.scalar = nn.Parameter(torch.randn(()))
         self.empty = nn.Parameter(torch.zeros(0, 3))
         self.register_buffer("mask", torch.rand(7) > 0.5)
+        if noncontig:
+            self.register_buffer("counts", torch.randint(-999, 999, (4, 6), dtype=torch.int16)[:, ::2])
 
     def forward(self, x):
         return self.bn(self.lin(x))
@@ -436,14 +439,16 @@ def test_sync_params_copies_everything_from_src(synced):
         assert not torch.equal(synced[0][name]["before"]["lin.weight"], src_before["lin.weight"])
         assert not torch.equal(synced[0][name]["before"]["bn.num_batches_tracked"], src_before["bn.num_batches_tracked"])
         assert synced[0][name]["noncontig_still"]
+    assert not torch.equal(synced[0]["mixed"]["before"]["counts"], synced[1]["mixed"]["before"]["counts"])
 
 
 def test_sync_params_is_one_coalesced_broadcast(synced):
-    # Every contiguous tensor, whatever its dtype, travels in one byte buffer; the
-    # non-contiguous float32 parameter of "mixed" needs a float32 buffer of its own.
+    # Every tensor, whatever its dtype, travels in one byte buffer: non-contiguous ones
+    # (a float32 parameter, an int16 buffer gloo cannot broadcast as such) through a
+    # contiguous copy.
     for rank in range(WORLD):
         assert synced[rank]["contiguous"]["broadcasts"] == [torch.uint8]
-        assert synced[rank]["mixed"]["broadcasts"] == [torch.uint8, torch.float32]
+        assert synced[rank]["mixed"]["broadcasts"] == [torch.uint8]
     # One pack launch on src, one unpack launch elsewhere, per broadcast buffer.
     assert synced[1]["contiguous"]["launches"] == 1
     assert synced[0]["contiguous"]["launches"] == 1
@@ -572,6 +577,19 @@ def test_register_rejects_gradients_the_hook_cannot_cast(one_rank):
     sparse = DDP(nn.Sequential(nn.Embedding(10, 3, sparse=True), nn.Linear(3, 1)))
     with pytest.raises(TypeError, match=r"sparse gradients, and parameter '0.weight'"):
         fddp.register(sparse, fddp.fp16_compress_hook)
+
+
+def test_first_call_check_refuses_a_sparse_bucket_after_a_dense_one(one_rank):
+    # A hook registered with DDP's own register_comm_hook checks each kind of bucket at
+    # its first call; a dense float32 bucket checked first must not wave through a
+    # sparse float32 one (it then failed inside the pass with "Cannot access data
+    # pointer" instead of this TypeError).
+    who = "compress_hook(bfloat16)"
+    fddp._checked.clear()
+    fddp._check_once(one_rank, torch.zeros(4), torch.bfloat16, who)
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0]]), torch.ones(1, 3), (4, 3), check_invariants=True)
+    with pytest.raises(TypeError, match=r"gradient buckets must be dense to be cast; got a torch.sparse_coo bucket"):
+        fddp._check_once(one_rank, sparse, torch.bfloat16, who)
 
 
 @pytest.mark.parametrize("config, device, dtype, match", [

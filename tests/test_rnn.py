@@ -108,6 +108,11 @@ def test_layout_views_and_constructor_checks():
     before = [v._version for v in views]
     views[1].add_(1)
     assert [v._version for v in views] == [b + (i == 1) for i, b in enumerate(before)]
+    # "cpu:0" names the CPU, whose tensors report "cpu": the layout must accept them.
+    gru = torch.nn.GRU(3, 4)
+    named = RNNLayout.for_module(gru, device="cpu:0")
+    assert named.device == torch.device("cpu")
+    assert rnn.pack(gru._flat_weights, named).numel() == named.numel
     with pytest.raises(ValueError, match="overlap"):
         dataclasses.replace(layout, offsets=(0,) * len(layout.offsets))
     with pytest.raises(ValueError, match="outside the buffer"):
