@@ -10,6 +10,7 @@ from ._fastcheck import increment_versions
 from ._plan import plan_for
 from ._validate import (
     check_conversion,
+    check_writable,
     check_dtype,
     check_flat,
     check_no_overlap,
@@ -35,7 +36,8 @@ def _staged_groups(plan, *, fill: bool):
         for j, i in enumerate(g.index.tolist()):
             if i in nc:
                 t = tensors[j]
-                tmp = t.contiguous() if fill else torch.empty_like(t, memory_format=torch.contiguous_format)
+                tmp = (t.resolve_conj().resolve_neg().contiguous() if fill
+                       else torch.empty_like(t, memory_format=torch.contiguous_format))
                 pending.append((t, tmp))
                 tensors[j] = tmp
         groups.append(g.with_tensors(tuple(tensors)))
@@ -88,6 +90,8 @@ def flatten(tensors, *, dtype=None, scale=None, out=None):
     else:
         check_flat(out, "out", numel=plan.numel, dtype=dtype, device=plan.device)
         check_no_overlap(plan, out, "out", "tensors")
+        if out.is_inference() and not torch.is_inference_mode_enabled():
+            raise RuntimeError("out is an inference tensor; it can only be written inside torch.inference_mode()")
     backend, launch = _dispatch.kernel("flatten", plan.device)
     groups, _ = _staged_groups(plan, fill=True)
     for g in groups:
@@ -135,6 +139,14 @@ def unflatten_into(flat, tensors, *, scale=None) -> None:
     for g in plan.groups:
         check_conversion(flat.dtype, g.dtype, scale, "unflatten_into")
     check_no_overlap(plan, flat, "flat", "tensors")
+    check_writable(plan, "tensors")
+    hit = plan.self_overlap()
+    if hit is not None:
+        i, j = hit
+        raise ValueError(
+            f"tensors[{i}] and tensors[{j}] share memory; unflatten_into writes every tensor at "
+            "once, so which slice of flat lands there would be undefined: pass separate tensors"
+        )
     for i in plan.noncontig.tolist():
         if torch._debug_has_internal_overlap(plan.tensors[i]) == 1:
             raise ValueError(
@@ -145,8 +157,9 @@ def unflatten_into(flat, tensors, *, scale=None) -> None:
     groups, pending = _staged_groups(plan, fill=False)
     for g in groups:
         launch(g, flat, scale, **_tuning.params("unflatten_into", backend, flat.dtype, g.dtype, plan.numel))
-    for dst, tmp in pending:
-        dst.copy_(tmp)
+    with torch.no_grad():  # writes bypass autograd, as for the contiguous tensors
+        for dst, tmp in pending:
+            dst.copy_(tmp)  # (this bumps dst's version; the line below bumps it again)
     increment_versions(plan.tensors, plan.impls)
 
 

@@ -254,6 +254,43 @@ class Plan(_Numel):
         memo[other] = result
         return result
 
+    @property
+    def has_inference(self) -> bool:
+        """Whether any tensor is an inference tensor (fixed per TensorImpl)."""
+        hit = self.__dict__.get("_has_inference")
+        if hit is None:
+            hit = self.__dict__["_has_inference"] = any(t.is_inference() for t in self.tensors)
+        return hit
+
+    def self_overlap(self) -> tuple[int, int] | None:
+        """``(i, j)``, ``i != j``, such that tensors ``i`` and ``j`` may share memory, or
+        None (computed once per plan). Exact between contiguous tensors; a non-contiguous
+        one counts as its whole storage against contiguous ones; two non-contiguous
+        tensors are not compared (their storage spans would flag disjoint columns)."""
+        if "_self_overlap" in self.__dict__:
+            return self.__dict__["_self_overlap"]
+        result = None
+        live = np.nonzero(self.spans[:, 1] > self.spans[:, 0])[0]  # empty tensors overlap nothing
+        nc = np.zeros(len(self.tensors), bool)
+        nc[self.noncontig] = True
+        cont = live[~nc[live]]
+        if len(cont) > 1:
+            order = cont[np.argsort(self.spans[cont, 0], kind="stable")]
+            lo, hi = self.spans[order, 0], self.spans[order, 1]
+            bad = np.nonzero(lo[1:] < np.maximum.accumulate(hi)[:-1])[0]
+            if len(bad):
+                j = int(order[bad[0] + 1])
+                i = next(int(k) for k in order[: bad[0] + 1] if self.spans[k, 1] > self.spans[j, 0])
+                result = (min(i, j), max(i, j))
+        if result is None:
+            for j in live[nc[live]]:
+                hit = cont[(self.spans[cont, 0] < self.spans[j, 1]) & (self.spans[cont, 1] > self.spans[j, 0])]
+                if len(hit):
+                    result = (min(int(hit[0]), int(j)), max(int(hit[0]), int(j)))
+                    break
+        self.__dict__["_self_overlap"] = result
+        return result
+
     def overlaps(self, t: torch.Tensor) -> int:
         """Position of the first tensor whose memory overlaps ``t``'s, or -1.
 
@@ -280,7 +317,10 @@ def _build(tup: tuple, cache: bool = True) -> Plan:
     numels = np.fromiter(map(_T.numel, tup), np.int64, n)
     ptrs = list(map(_T.data_ptr, tup))
     addrs = np.array(ptrs, dtype=np.int64)
-    contig = np.fromiter(map(_T.is_contiguous, tup), bool, n)
+    # A conjugate or negative bit (t.conj(), torch._neg_view) is a lazy view: its bits
+    # are not its values, so such tensors are staged like non-contiguous ones, through a
+    # resolved copy.
+    contig = np.fromiter((t.is_contiguous() and not t.is_conj() and not t.is_neg() for t in tup), bool, n)
     offsets = np.zeros(n, dtype=np.int64)
     np.cumsum(numels[:-1], out=offsets[1:])
     itemsize = np.fromiter((d.itemsize for d in dtypes), np.int64, n) if len(set(dtypes)) > 1 \

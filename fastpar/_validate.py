@@ -57,6 +57,11 @@ def check_flat(t, name: str, *, numel: int, dtype: torch.dtype | None, device: t
         raise ValueError(f"{name} must be on {device}, got a tensor on {t.device}")
     if dtype is not None and t.dtype != dtype:
         raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
+    if t.is_conj() or t.is_neg():
+        raise ValueError(
+            f"{name} is a lazily {'conjugated' if t.is_conj() else 'negated'} view (its bits are not "
+            f"its values); pass {name}.resolve_conj() / .resolve_neg(), or a plain tensor"
+        )
     if t.dim() != 1 or not t.is_contiguous():
         raise ValueError(
             f"{name} must be a contiguous 1-D tensor, got shape {tuple(t.shape)} with strides {t.stride()}"
@@ -73,3 +78,13 @@ def check_no_overlap(plan, t: torch.Tensor, name: str, tensors_name: str) -> Non
     i = plan.overlaps(t)
     if i >= 0:
         raise ValueError(f"{name} overlaps the memory of {tensors_name}[{i}]; it must be a separate buffer")
+
+
+def check_writable(plan, name: str) -> None:
+    """Inference tensors can only be written inside ``torch.inference_mode()`` (as torch's
+    in-place ops require); checked before any launch."""
+    if plan.has_inference and not torch.is_inference_mode_enabled():
+        i = next(i for i, t in enumerate(plan.tensors) if t.is_inference())
+        raise RuntimeError(
+            f"{name}[{i}] is an inference tensor; it can only be written inside torch.inference_mode()"
+        )

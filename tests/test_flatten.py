@@ -314,6 +314,67 @@ def test_complex_and_bool_copied_as_bits(backend):
         fastpar.flatten([torch.randn(2, dtype=torch.complex128)])
 
 
+
+def test_conjugate_and_negative_views_are_their_values(backend):
+    # t.conj() and torch._neg_view(t) are lazy: their bits are not their values.
+    c = torch.randn(4, dtype=torch.complex64).conj()
+    n = torch._neg_view(torch.randn(5))
+    assert c.is_conj() and n.is_neg()
+    assert torch.equal(fastpar.flatten([n]), torch._utils._flatten_dense_tensors([n]))
+    assert torch.equal(fastpar.flatten([c]), c.resolve_conj())
+    assert torch.equal(fastpar.flatten([n, torch.ones(2)], scale=2.0), torch.cat([n, torch.ones(2)]) * 2)
+    copies = fastpar.comm.broadcast_coalesced([c, n], ["cpu", "cpu"])
+    assert torch.equal(copies[1][0], c.resolve_conj()) and torch.equal(copies[1][1], n.resolve_neg())
+    # As destinations: writing into a conjugated view stores the conjugate.
+    plain = torch.zeros(2, dtype=torch.complex64)
+    fastpar.unflatten_into(torch.tensor([1 + 1j, 2 - 1j]), [plain.conj()])
+    assert torch.equal(plain, torch.tensor([1 - 1j, 2 + 1j]))
+    # As flat / out: refused, nothing written.
+    out = poison_(torch.empty(5))
+    with pytest.raises(ValueError, match="flat is a lazily negated view"):
+        fastpar.unflatten_into(torch._neg_view(torch.ones(5)), [out])
+    assert out.isnan().all()
+    with pytest.raises(ValueError, match="out is a lazily conjugated view"):
+        fastpar.flatten([torch.ones(2, dtype=torch.complex64)], out=torch.zeros(2, dtype=torch.complex64).conj())
+
+
+def test_unflatten_into_non_contiguous_leaf_view_bypasses_autograd():
+    # Non-contiguous destinations go through a temporary; that copy must bypass autograd
+    # like the kernel's writes (it raised for a view of a leaf, after writing the rest).
+    a = torch.zeros(3)
+    w = torch.zeros(2, 2, requires_grad=True)
+    fastpar.unflatten_into(torch.arange(7.0) + 1, [a, w.t()])
+    assert torch.equal(a, torch.tensor([1.0, 2.0, 3.0]))
+    assert torch.equal(w.detach(), torch.tensor([[4.0, 6.0], [5.0, 7.0]])) and w.grad_fn is None
+
+
+def test_inference_tensors_are_written_only_in_inference_mode():
+    with torch.inference_mode():
+        x, y = poison_(torch.empty(3)), poison_(torch.empty(2, 2))
+    with pytest.raises(RuntimeError, match=r"tensors\[0\] is an inference tensor"):
+        fastpar.unflatten_into(torch.arange(7.0), [x, y.t()])
+    assert x.isnan().all() and y.isnan().all(), "a rejected call wrote"
+    with pytest.raises(RuntimeError, match="out is an inference tensor"):
+        fastpar.flatten([torch.ones(3)], out=x)
+    assert x.isnan().all()
+    with torch.inference_mode():
+        fastpar.unflatten_into(torch.arange(7.0), [x, y.t()])
+        fastpar.flatten([torch.ones(3)], out=x)
+    assert torch.equal(x, torch.ones(3)) and torch.equal(y.t().reshape(-1), torch.arange(3.0, 7.0))
+
+
+def test_unflatten_into_rejects_destinations_that_share_memory():
+    base = poison_(torch.empty(12))
+    for dst in ([base[:8], base[4:]], [base[:4], base[:4]], [base.view(3, 4).t(), base]):
+        n = sum(t.numel() for t in dst)
+        with pytest.raises(ValueError, match=r"tensors\[0\] and tensors\[1\] share memory"):
+            fastpar.unflatten_into(torch.arange(float(n)), dst)
+        assert base.isnan().all(), "a rejected call wrote"
+    # Disjoint columns of one matrix are two non-contiguous views: allowed.
+    m = torch.zeros(4, 6)
+    fastpar.unflatten_into(torch.arange(8.0), [m[:, 0], m[:, 1]])
+    assert torch.equal(m[:, :2].t().reshape(-1), torch.arange(8.0))
+
 def test_bad_backend_name(monkeypatch):
     monkeypatch.setenv("FASTPAR_BACKEND", "cuda-magic")
     with pytest.raises(ValueError, match="FASTPAR_BACKEND must be one of"):
