@@ -144,8 +144,9 @@ def unflatten_into(flat, tensors, *, scale=None) -> None:
     if hit is not None:
         i, j = hit
         raise ValueError(
-            f"tensors[{i}] and tensors[{j}] share memory; unflatten_into writes every tensor at "
-            "once, so which slice of flat lands there would be undefined: pass separate tensors"
+            f"tensors[{i}] and tensors[{j}] share memory (or, for a non-contiguous one, its storage); "
+            "unflatten_into writes every tensor at once, so which slice of flat lands there would "
+            "be undefined: pass separate tensors"
         )
     for i in plan.noncontig.tolist():
         if torch._debug_has_internal_overlap(plan.tensors[i]) == 1:
