@@ -521,6 +521,12 @@ def _check_out(out, p0, plans, dst):
     if len(out_plan.noncontig):
         i = int(out_plan.noncontig[0])
         raise ValueError(f"out[{i}] must be contiguous (the kernel writes it in place), got strides {out_plan.tensors[i].stride()}")
+    hit = out_plan.self_overlap()
+    if hit is not None:
+        raise ValueError(
+            f"out[{hit[0]}] and out[{hit[1]}] share memory; the sums are written at once, so which "
+            "lands there would be undefined: pass separate tensors"
+        )
     for k, p in enumerate(plans):
         hit = out_plan.overlap_with(p)
         if hit is not None:

@@ -360,6 +360,8 @@ def test_reduce_bad_inputs_write_nothing():
         (([a, a], "cpu"), {"out": [poisoned(2), poisoned(4)]}, ValueError, r"out\[1\] has shape \(4,\)"),
         (([a, a], "cpu"), {"out": [poisoned(2), poisoned(3, 2)[:, 0]]}, ValueError, r"out\[1\] must be contiguous"),
         (([a, a], "cpu"), {"out": [a[0], poisoned(3)]}, ValueError, r"out\[0\] overlaps the memory of inputs\[0\]\[0\]"),
+        (([a, [torch.randn(2), torch.randn(3)]], "cpu"), {"out": [out[1][:2], out[1]]}, ValueError,
+         r"out\[0\] and out\[1\] share memory"),
         (([a, [torch.randn(2), torch.eye(3).to_sparse()]], "cpu"), {}, TypeError, "layout torch.sparse_coo"),
         (([[torch.randn(2), torch.ones(3, dtype=torch.bool)]] * 2, "cpu"), {"out": [out[0], poisoned(3, dtype=torch.bool)]},
          TypeError, r"inputs\[0\]\[1\]: cannot reduce torch.bool"),
