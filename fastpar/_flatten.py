@@ -10,11 +10,11 @@ from ._fastcheck import increment_versions
 from ._plan import plan_for
 from ._validate import (
     check_conversion,
-    check_writable,
     check_dtype,
     check_flat,
     check_no_overlap,
     check_scale,
+    check_writable,
 )
 
 __all__ = ["flatten", "unflatten", "unflatten_into"]
@@ -88,10 +88,8 @@ def flatten(tensors, *, dtype=None, scale=None, out=None):
     if out is None:
         out = _alloc.empty(plan.numel, dtype=dtype, device=plan.device)
     else:
-        check_flat(out, "out", numel=plan.numel, dtype=dtype, device=plan.device)
+        check_flat(out, "out", numel=plan.numel, dtype=dtype, device=plan.device, written=True)
         check_no_overlap(plan, out, "out", "tensors")
-        if out.is_inference() and not torch.is_inference_mode_enabled():
-            raise RuntimeError("out is an inference tensor; it can only be written inside torch.inference_mode()")
     backend, launch = _dispatch.kernel("flatten", plan.device)
     groups, _ = _staged_groups(plan, fill=True)
     for g in groups:

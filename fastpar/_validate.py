@@ -46,9 +46,11 @@ def check_scale(scale, name: str = "scale"):
     return float(scale)
 
 
-def check_flat(t, name: str, *, numel: int, dtype: torch.dtype | None, device: torch.device | None) -> torch.Tensor:
+def check_flat(t, name: str, *, numel: int, dtype: torch.dtype | None, device: torch.device | None,
+               written: bool = False) -> torch.Tensor:
     """A 1-D contiguous dense tensor of ``numel`` elements (on ``device`` and of ``dtype``
-    unless those are None)."""
+    unless those are None); with ``written``, one this call may write (see
+    :func:`check_writable`)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
@@ -71,6 +73,8 @@ def check_flat(t, name: str, *, numel: int, dtype: torch.dtype | None, device: t
             f"{name} must have exactly {numel} elements (the total of the tensors), got {t.numel()} "
             f"({'too small' if t.numel() < numel else 'too large'})"
         )
+    if written and t.is_inference() and not torch.is_inference_mode_enabled():
+        raise RuntimeError(f"{name} is an inference tensor; it can only be written inside torch.inference_mode()")
     return t
 
 
