@@ -40,7 +40,7 @@ from . import _alloc, _cuda, _dispatch, _tuning
 from ._fastcheck import increment_versions
 from ._flatten import byte_layout, byte_views, flatten, pack_bytes, region, split_views
 from ._plan import ReduceGroup, plan_for
-from ._validate import CAST_DTYPES
+from ._validate import CAST_DTYPES, check_writable
 
 __all__ = [
     "broadcast",
@@ -319,12 +319,16 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
     _check_device_set(devs, "inputs' devices", unique=False)
     _check_same_layout(plans)
     dst = _destination(destination, devs)
-    if any(g.dtype.is_complex for g in plans[0].groups):
-        return _reduce_complex(inputs, destination, buffer_size, out)
+    complex_ = any(g.dtype.is_complex for g in plans[0].groups)
     for g in plans[0].groups:
-        _check_reducible(g.dtype, f"inputs[0][{int(g.index[0])}]")
+        if not g.dtype.is_complex:
+            _check_reducible(g.dtype, f"inputs[0][{int(g.index[0])}]")
     if out is not None:
+        # Checked against the inputs as given: for complex ones, before their real views
+        # could hide a complex/real mismatch (a float (..., 2) out for a complex input).
         out_plan = _check_out(out, plans[0], plans, dst)
+    if complex_:
+        return _reduce_complex(inputs, destination, buffer_size, out)
     # -- validated: from here on, launches.
     if dst.type == "cpu":
         path = "host"
@@ -409,23 +413,9 @@ def _as_real(tensors) -> list:
 
 def _reduce_complex(inputs, destination, buffer_size, out):
     """Complex positions are summed as their real views (pairs of floats), as torch's
-    comm does with ``view_as_real``; the results are complex views of real pieces."""
+    comm does with ``view_as_real``; the results are complex views of real pieces.
+    ``out`` has been checked against the complex inputs (:func:`_check_out`)."""
     was_complex = [t.is_complex() for t in inputs[0]]
-    if out is not None:
-        # Checked here, before the real views hide a complex/real mismatch: a float
-        # (..., 2) out would otherwise pass for a complex (...) input.
-        out = list(out) if isinstance(out, (list, tuple)) else out
-        if not isinstance(out, list) or len(out) != len(was_complex):
-            raise ValueError(f"out must hold {len(was_complex)} tensors (one per input position), got {out!r:.80}")
-        for i, (o, t) in enumerate(zip(out, inputs[0])):
-            if not isinstance(o, torch.Tensor) or o.dtype != t.dtype or o.shape != t.shape:
-                raise ValueError(
-                    f"out[{i}] has shape {tuple(getattr(o, 'shape', ()))} ({getattr(o, 'dtype', type(o).__name__)}) "
-                    f"but the inputs at position {i} have shape {tuple(t.shape)} ({t.dtype})"
-                )
-            if o.is_conj():
-                raise ValueError(f"out[{i}] is a lazily conjugated tensor (is_conj()); pass a resolved one "
-                                 "(resolve_conj()) to be written in place")
     result = reduce_add_coalesced([_as_real(lst) for lst in inputs], destination, buffer_size,
                                   out=None if out is None else _as_real(out))
     if out is not None:
@@ -520,7 +510,14 @@ def _check_out(out, p0, plans, dst):
     matched.add(p0)
     if len(out_plan.noncontig):
         i = int(out_plan.noncontig[0])
-        raise ValueError(f"out[{i}] must be contiguous (the kernel writes it in place), got strides {out_plan.tensors[i].stride()}")
+        o = out_plan.tensors[i]
+        if o.is_conj() or o.is_neg():  # staged like non-contiguous tensors, so listed there
+            raise ValueError(
+                f"out[{i}] is a lazily {'conjugated' if o.is_conj() else 'negated'} view; pass a "
+                "resolved tensor (resolve_conj() / resolve_neg()) to be written in place"
+            )
+        raise ValueError(f"out[{i}] must be contiguous (the kernel writes it in place), got strides {o.stride()}")
+    check_writable(out_plan, "out")
     hit = out_plan.self_overlap()
     if hit is not None:
         raise ValueError(

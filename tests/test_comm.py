@@ -143,6 +143,26 @@ def test_reduce_add_coalesced_complex_as_real_views(backend, cdtype):
     with pytest.raises(ValueError, match=r"out\[0\] has shape \(7, 3, 2\)"):
         comm.reduce_add_coalesced(lists, "cpu", out=bad)
     assert_unchanged(bad, before, what="rejected complex out")
+    conj_out = [poison_(torch.empty_like(t)) for t in lists[0]]
+    conj_out[0] = conj_out[0].conj()
+    before = snapshot(conj_out)
+    with pytest.raises(ValueError, match=r"out\[0\] is a lazily conjugated view"):
+        comm.reduce_add_coalesced(lists, "cpu", out=conj_out)
+    assert_unchanged(conj_out, before, what="rejected conjugated out")
+
+
+def test_reduce_into_inference_out_only_in_inference_mode():
+    lists = [[torch.randn(3), torch.randn(2)] for _ in range(2)]
+    with torch.inference_mode():
+        out = [poisoned(3), poisoned(2)]
+    before = snapshot(out)
+    with pytest.raises(RuntimeError, match=r"out\[0\] is an inference tensor"):
+        comm.reduce_add_coalesced(lists, "cpu", out=out)
+    assert_unchanged(out, before, what="rejected inference out")
+    with torch.inference_mode():
+        comm.reduce_add_coalesced(lists, "cpu", out=out)
+    for i, o in enumerate(out):
+        assert_close(o, lists[0][i].double() + lists[1][i].double(), what=f"out[{i}]", tol=reduce_tol(torch.float32, 2))
 
 
 def test_reduce_add_coalesced_sparse_follows_torch(backend):
