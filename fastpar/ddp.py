@@ -666,10 +666,11 @@ def sync_params(module, src: int = 0, process_group=None) -> None:
         if t.is_contiguous():
             w = t.reshape(-1).view(torch.uint8)
         else:
-            tmp = t.contiguous()
+            # Only src's copy carries values; the others receive into it.
+            tmp = t.contiguous() if me == src else torch.empty_like(t, memory_format=torch.contiguous_format)
             staged.append((t, tmp))
             w = tmp.reshape(-1).view(torch.uint8)
-        wires.setdefault((t.device, w.dtype), []).append(w)
+        wires.setdefault(t.device, []).append(w)
         signature.append(f"{t.dtype}{tuple(t.shape)}{t.device.type}{int(t.is_contiguous())}")
 
     device = tensors[0].device if tensors else torch.device("cpu")
@@ -684,11 +685,11 @@ def sync_params(module, src: int = 0, process_group=None) -> None:
             "the shape/dtype checksums differ); every rank must build the same architecture"
         )
 
-    for (dev, dtype), ws in wires.items():
+    for dev, ws in wires.items():
         numel = sum(w.numel() for w in ws)
         if numel == 0:
             continue
-        flat = _alloc.empty(numel, dtype=dtype, device=dev)
+        flat = _alloc.empty(numel, dtype=torch.uint8, device=dev)
         if me == src:
             _pack(ws, flat)
         dist.broadcast(flat, src=src, group=group)
