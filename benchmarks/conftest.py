@@ -38,18 +38,22 @@ def measure(benchmark, fn, nbytes: int, *, rounds: int = 10, setup=None, iterati
     written. ``iterations`` calls are timed together per round (and the median is per
     call): for calls of tens of microseconds, a single call per round is at the mercy of
     one timer tick or interrupt. Not with ``setup``, which runs before every call."""
-    calls, deadline = 0, time.perf_counter() + WARMUP_S
-    while calls < 2 or time.perf_counter() < deadline:
-        if setup is not None:
-            setup()
-        fn()
-        calls += 1
+    _warm_up(fn, setup)
     benchmark.pedantic(fn, setup=setup, rounds=rounds, warmup_rounds=0, iterations=iterations)
     median = benchmark.stats.stats.median
     benchmark.extra_info["bytes"] = nbytes
     benchmark.extra_info["GB/s"] = round(nbytes / median / 1e9, 3)
     return median
 
+
+def _warm_up(fn, setup=None) -> None:
+    """At least two calls of ``fn``, and as many more as fit in ``WARMUP_S``."""
+    calls, deadline = 0, time.perf_counter() + WARMUP_S
+    while calls < 2 or time.perf_counter() < deadline:
+        if setup is not None:
+            setup()
+        fn()
+        calls += 1
 
 
 def interleaved(benchmark, steps: dict, *, rounds: int) -> dict:
@@ -74,10 +78,7 @@ def interleaved(benchmark, steps: dict, *, rounds: int) -> dict:
             values[provider].append(steps[provider]())
             times[provider].append(time.perf_counter() - t0)
 
-    calls, deadline = 0, time.perf_counter() + WARMUP_S
-    while calls < 2 or time.perf_counter() < deadline:
-        both()
-        calls += 1
+    _warm_up(both)
     for v in (*times.values(), *values.values()):
         v.clear()
     benchmark.pedantic(both, rounds=rounds, warmup_rounds=0, iterations=1)
@@ -91,6 +92,7 @@ def interleaved(benchmark, steps: dict, *, rounds: int) -> dict:
         ratio=round(med["torch"] / med["fastpar"], 3),
     )
     return values
+
 
 def _ratios(benchmarks):
     groups = collections.defaultdict(dict)
