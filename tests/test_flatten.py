@@ -275,6 +275,17 @@ def test_mixed_devices_meta():
         fastpar.flatten([torch.randn(2), torch.empty(2, device="meta")])
 
 
+def test_meta_tensors_have_no_memory_to_overlap():
+    # Meta tensors all report data pointer 0; shape checks still apply, overlap ones
+    # must not fire (torch.cat(out=) and Tensor.copy_ accept the same calls).
+    ts = [torch.empty(3, device="meta"), torch.empty(2, 5, device="meta").t()]
+    out = torch.empty(13, device="meta")
+    assert fastpar.flatten(ts, out=out) is out
+    fastpar.unflatten_into(torch.empty(13, device="meta"), ts)
+    with pytest.raises(ValueError, match="exactly 13 elements"):
+        fastpar.flatten(ts, out=torch.empty(12, device="meta"))
+
+
 @pytest.mark.parametrize("flat_numel,match", [(4, "too small"), (6, "too large")])
 def test_unflatten_into_bad_size_writes_nothing(flat_numel, match):
     targets = [poison_(torch.empty(2)), poison_(torch.empty(3))]
