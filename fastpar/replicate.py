@@ -228,7 +228,8 @@ def replicate(network, devices, detach=False):
         pool = _POOLS[network] = _BufferPool()
 
     param_indices = {p: i for i, p in enumerate(params)}
-    param_copies = _broadcast(params, _Placement(devs, pool, "params", _rnn_groups(modules, params)), detach)
+    rnn_groups = _rnn_groups(modules, params)
+    param_copies = _broadcast(params, _Placement(devs, pool, "params", rnn_groups), detach)
 
     buffers_rg = [b for b in buffers if b.requires_grad and not detach]
     buffers_not_rg = [b for b in buffers if not (b.requires_grad and not detach)]
@@ -295,6 +296,17 @@ def replicate(network, devices, detach=False):
                     replica._buffers[key] = copy
                 else:
                     setattr(replica, key, copy)
+    for m, _ in rnn_groups:
+        # Replicas 1.. have their weights packed where cuDNN wants them; replica 0's are
+        # ``m``'s own (as aliases made by Broadcast), packed if ``m`` is (DataParallel
+        # packs it once). A replica's ``_flat_weight_refs``, copied from ``m``, point at
+        # ``m``'s weight objects, so ``RNNBase.forward`` would find the weights
+        # "changed" and re-run ``flatten_parameters()``, which on CUDA copies every
+        # weight into a fresh buffer, every step: point them at the replica's own.
+        for j in range(num_replicas):
+            replica = module_copies[j][module_indices[m]]
+            if j > 0 or rnn.is_flat(replica):
+                replica._flat_weight_refs = [None if w is None else weakref.ref(w) for w in replica._flat_weights]
     return [module_copies[j][0] for j in range(num_replicas)]
 
 

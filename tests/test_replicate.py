@@ -62,6 +62,36 @@ def test_non_rnn_params_share_one_storage_and_rnn_is_flat():
     assert lstm._flat_weights[0].storage_offset() == 0
 
 
+@pytest.mark.parametrize("detach", [False, True])
+@pytest.mark.parametrize("source_flat", [False, True])
+def test_rnn_replicas_do_not_repack_in_forward(monkeypatch, detach, source_flat):
+    # RNNBase.forward re-runs flatten_parameters() (on CUDA: a fresh buffer and a copy of
+    # every weight, every step) when its weights are not the objects _flat_weight_refs
+    # remember. Replicas' weights are packed already: forward must leave them alone.
+    net = small_net()
+    if source_flat:
+        rnn.flatten_parameters(net[-1])
+    calls = []
+    real = nn.RNNBase.flatten_parameters
+    monkeypatch.setattr(nn.RNNBase, "flatten_parameters", lambda self: (calls.append(self), real(self))[1])
+    reps = replicate(net, ["cpu", "cpu", "cpu"], detach=detach)
+    x = torch.randn(2, 3, 6)
+    for j, r in enumerate(reps):
+        calls.clear()
+        lstm = r[-1]
+        weights = [getattr(lstm, n) for n in lstm._flat_weights_names]
+        out, _ = lstm(x)
+        # Replica 0 shares the source's weights: only a packed source is left alone
+        # (otherwise torch's flatten_parameters packs it, as it would the source).
+        expect_repack = j == 0 and not source_flat and not detach
+        assert (calls == [lstm]) == expect_repack, f"replica {j}: flatten_parameters calls {len(calls)}"
+        assert all(a is b for a, b in zip(lstm._flat_weights, weights))
+        if j > 0:
+            assert rnn.is_flat(lstm)
+        ref, _ = net[-1](x)
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
 def test_gradients_flow_back_through_fused_reduce():
     net = small_net().double()
     x = torch.randn(4, 3, 6, dtype=torch.float64)
