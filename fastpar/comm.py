@@ -79,13 +79,14 @@ def _device(d, name: str) -> torch.device:
     return dev
 
 
-def _devices(devices, name: str) -> list[torch.device]:
+def _devices(devices, name: str, *, unique: bool = True) -> list[torch.device]:
+    """``devices`` as torch.devices; with ``unique``, no CUDA device may repeat."""
     if isinstance(devices, (str, int, torch.device)) or not isinstance(devices, (list, tuple)):
         raise TypeError(f"{name} must be a list or tuple of devices, got {type(devices).__name__}")
     if not devices:
         raise ValueError(f"{name} must name at least one device, got an empty {type(devices).__name__}")
     devs = [_device(d, f"{name}[{i}]") for i, d in enumerate(devices)]
-    _check_device_set(devs, name)
+    _check_device_set(devs, name, unique=unique)
     return devs
 
 
@@ -601,7 +602,9 @@ def scatter(tensor, devices=None, chunk_sizes=None, dim=0, streams=None, *, out=
             # still be running when the caller reads ``out``.
             o.copy_(chunk, non_blocking=o.is_cuda)
         return tuple(outs)
-    devs = _devices(devices, "devices")
+    # A device may take several chunks, as in torch's (Gather's backward scatters to
+    # its inputs' devices, which may repeat).
+    devs = _devices(devices, "devices", unique=False)
     if chunk_sizes is None:
         chunks = tensor.chunk(len(devs), dim)  # fewer chunks than devices for a small dim, as torch
         devs = devs[: len(chunks)]

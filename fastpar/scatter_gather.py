@@ -30,7 +30,7 @@ def scatter(inputs, target_gpus, dim=0):
     tuples, lists, dicts and namedtuples are walked, other objects are referenced once
     per device. A batch smaller than the device count gives fewer chunks.
     ``target_gpus`` (torch's name) may also hold ``"cpu"`` entries."""
-    devs = comm._devices(target_gpus, "target_gpus")
+    devs = comm._devices(target_gpus, "target_gpus", unique=False)  # repeats allowed, as torch's
 
     def scatter_map(obj):
         if isinstance(obj, torch.Tensor):

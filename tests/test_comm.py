@@ -547,6 +547,21 @@ def test_cuda_one_gpu_broadcast_scatter_gather():
 
 
 @needs_cuda
+def test_cuda_one_gpu_repeated_devices_scatter_and_gather_backward():
+    # torch's scatter takes a device more than once, and Gather's backward scatters to
+    # its inputs' devices, which repeat when two inputs share a GPU.
+    x = torch.randn(6, 3)
+    parts = comm.scatter(x, [0, 0])
+    assert [p.device for p in parts] == [torch.device("cuda", 0)] * 2
+    assert torch.equal(torch.cat([p.cpu() for p in parts]), x)
+    a = torch.randn(2, 3, device="cuda", requires_grad=True)
+    b = torch.randn(4, 3, device="cuda", requires_grad=True)
+    g = torch.randn(6, 3, device="cuda")
+    fastpar.gather([a, b], 0).backward(g)
+    assert torch.equal(a.grad, g[:2]) and torch.equal(b.grad, g[2:])
+
+
+@needs_cuda
 def test_cuda_one_gpu_complex_and_sparse_reduce():
     lists = [[torch.randn(5, 3, dtype=torch.complex64, device="cuda"), torch.randn(7, device="cuda")] for _ in range(3)]
     res = comm.reduce_add_coalesced(lists, 0)
