@@ -36,12 +36,18 @@ def _enable_pair(dst: int, src: int) -> bool:
     and fastpar never disagree about what is enabled."""
     if not torch.cuda.can_device_access_peer(dst, src):
         return False
-    a = torch.zeros(1, device=f"cuda:{dst}")
-    b = torch.zeros(1, device=f"cuda:{src}")
-    a.copy_(b)
-    b.copy_(a)
-    torch.cuda.synchronize(dst)
-    torch.cuda.synchronize(src)
+    try:
+        a = torch.zeros(1, device=f"cuda:{dst}")
+        b = torch.zeros(1, device=f"cuda:{src}")
+        a.copy_(b)
+        b.copy_(a)
+        torch.cuda.synchronize(dst)
+        torch.cuda.synchronize(src)
+    except RuntimeError:
+        # cudaDeviceEnablePeerAccess failed (e.g. a device past its limit of peers):
+        # torch's copies still work without it, a kernel reading raw peer pointers would
+        # not, so this pair takes the staged path (remembered: no retry every call).
+        return False
     return True
 
 

@@ -122,6 +122,8 @@ class Group(_Numel):
     offsets: np.ndarray
     _blocks: dict = field(default_factory=dict, repr=False)
     _tables: dict = field(default_factory=dict, repr=False)
+    #: Made for one call (an uncached plan, staged temporaries): see ``device_table``.
+    transient: bool = False
 
     @property
     def local_offsets(self) -> np.ndarray:
@@ -141,7 +143,8 @@ class Group(_Numel):
         hit = self._blocks.get("local_group")
         if hit is None:
             hit = self._blocks["local_group"] = Group(
-                self.dtype, self.device, self.index, self.tensors, self.addrs, self.numels, self.local_offsets
+                self.dtype, self.device, self.index, self.tensors, self.addrs, self.numels, self.local_offsets,
+                transient=self.transient,
             )
         return hit
 
@@ -169,15 +172,25 @@ class Group(_Numel):
 
     def device_table(self, block: int, device: torch.device) -> torch.Tensor:
         """One int64 tensor on ``device`` holding ``addrs | numels | offsets |
-        block_start | block_tensor``, copied to the device once per plan and block."""
+        block_start | block_tensor``, copied to the device once per plan and block.
+
+        A cached plan's table is copied synchronously, once: later launches may run on
+        other streams, which must find it written. A transient group's table serves
+        this call's launches alone, on the current stream: it goes through pinned
+        memory asynchronously, as ``ReduceGroup.device_table``'s does, since a blocking
+        copy from pageable memory would make the host wait for everything queued on the
+        stream, every call."""
         key = (block, device)
         hit = self._tables.get(key)
         if hit is None:
             tensor, start = self.blocks(block)
-            host = np.concatenate(
+            host = torch.from_numpy(np.concatenate(
                 [self.addrs.reshape(-1), self.numels, self.offsets, start, tensor.astype(np.int64)]
-            )
-            hit = torch.from_numpy(host).to(device)
+            ))
+            if self.transient and device.type == "cuda":
+                hit = host.pin_memory().to(device, non_blocking=True)
+            else:
+                hit = host.to(device)
             self._tables[key] = hit
         return hit
 
@@ -185,7 +198,7 @@ class Group(_Numel):
         """A copy over other tensors of the same shapes and dtype (fresh tables), e.g.
         the contiguous temporaries that stand in for non-contiguous ones."""
         addrs = np.fromiter(map(_T.data_ptr, tensors), np.int64, len(tensors))
-        return Group(self.dtype, self.device, self.index, tensors, addrs, self.numels, self.offsets)
+        return Group(self.dtype, self.device, self.index, tensors, addrs, self.numels, self.offsets, transient=True)
 
 
 @dataclass(eq=False)
@@ -346,7 +359,7 @@ def _build(tup: tuple, cache: bool = True) -> Plan:
         members = [(d, np.nonzero(code_arr == c)[0]) for d, c in codes.items()]
     for d, idx in members:
         groups.append(Group(d, device, idx, tuple(tup[i] for i in idx) if len(members) > 1 else tup,
-                            addrs[idx], numels[idx], offsets[idx]))
+                            addrs[idx], numels[idx], offsets[idx], transient=not cache))
     ids = np.fromiter(map(id, tup), np.int64, n)
     impls = np.fromiter(map(operator.attrgetter("_cdata"), tup), np.int64, n)
     meta, guard = metadata_snapshot(tup, numels, dtypes) if cache else (None, None)

@@ -405,7 +405,7 @@ def _packing_group(g: Group, layout: RNNLayout) -> Group:
         offsets.append(layout.gaps[:, 0])
     n = len(tensors)
     return Group(g.dtype, g.device, np.arange(n), tuple(tensors), np.concatenate(addrs),
-                 np.concatenate(numels), np.concatenate(offsets))
+                 np.concatenate(numels), np.concatenate(offsets), transient=g.transient)
 
 
 def pack(weights, layout: RNNLayout, *, out=None) -> torch.Tensor:

@@ -275,6 +275,23 @@ def test_mixed_devices_meta():
         fastpar.flatten([torch.randn(2), torch.empty(2, device="meta")])
 
 
+def test_groups_made_for_one_call_are_transient():
+    # A transient group's device table goes through pinned memory asynchronously on
+    # CUDA (a blocking copy from pageable memory makes the host wait for the stream);
+    # a cached plan's is copied once, synchronously, for launches on any stream.
+    from fastpar._plan import plan_for
+
+    ts = [torch.randn(3), torch.randn(4, 5).t(), torch.randn(2)]
+    cached = plan_for(ts, "tensors")
+    assert not any(g.transient for g in cached.groups)
+    assert not cached.groups[0].local().transient
+    assert all(g.transient for g in plan_for(ts, "tensors", cache=False).groups)
+    staged, pending = fastpar._flatten._staged_groups(cached, fill=True)
+    assert len(pending) == 1 and staged[0].transient and staged[0].local().transient
+    table = staged[0].device_table(4, torch.device("cpu"))
+    assert table.tolist()[3:6] == [3, 20, 2]  # addrs | numels | ...
+
+
 def test_meta_tensors_have_no_memory_to_overlap():
     # Meta tensors all report data pointer 0; shape checks still apply, overlap ones
     # must not fire (torch.cat(out=) and Tensor.copy_ accept the same calls).

@@ -76,6 +76,16 @@ class Kernel:
         return self._interpreted
 
 
+def keep_for_stream(table: torch.Tensor) -> None:
+    """Tell the CUDA caching allocator that ``table`` (a pointer table) is read on the
+    current stream. A cached plan's table is made on whatever stream was current at its
+    first launch and read by later launches on any stream (a user's side stream, DDP's
+    callbacks); without this, freeing it (the plan evicted) while such a launch is still
+    queued would let the allocator hand its memory to work on the first stream."""
+    if table.is_cuda:
+        table.record_stream(torch.cuda.current_stream(table.device))
+
+
 @triton.jit
 def to_storage(x, DST: tl.constexpr):
     """Convert ``x`` for a store of dtype ``DST`` the way torch does.

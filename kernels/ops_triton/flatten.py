@@ -18,6 +18,7 @@ from ._common import (
     Kernel,
     align_elems,
     copy_types,
+    keep_for_stream,
     storage_type,
     to_storage,
 )
@@ -122,6 +123,7 @@ def _launch_copy(group, flat, scale, to_flat: bool, block: int, num_warps: int) 
     kernel_flat = flat_view(flat, cx["STORE"] if to_flat else cx["SRC"], to_flat)
     # Launch on the flat buffer's device (Triton launches on the current device).
     with torch.cuda.device(flat.device) if flat.device.type == "cuda" else contextlib.nullcontext():
+        keep_for_stream(table)
         copy_kernel.on(flat.device)[(n_blocks,)](
             table, len(group.numels), kernel_flat, 1.0 if scale is None else float(scale),
             num_warps=num_warps, **cx,

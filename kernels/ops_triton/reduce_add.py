@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from .. import _launch
-from ._common import TL_DTYPES, Kernel, storage_type, to_storage
+from ._common import TL_DTYPES, Kernel, keep_for_stream, storage_type, to_storage
 
 DEFAULT_BLOCK = 2048
 DEFAULT_NUM_WARPS = 4
@@ -84,6 +84,7 @@ def reduce_add(group, *, block: int = DEFAULT_BLOCK, num_warps: int = DEFAULT_NU
     table = group.device_table(block, group.device)
     # Launch on the destination's device (Triton launches on the current device).
     with torch.cuda.device(group.device) if group.device.type == "cuda" else contextlib.nullcontext():
+        keep_for_stream(table)
         reduce_add_kernel.on(group.device)[(n_blocks,)](table, len(group.numels), num_warps=num_warps, **cx)
     _launch.launches.record("triton", "reduce_add")
 

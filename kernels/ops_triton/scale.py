@@ -19,6 +19,7 @@ from ._common import (
     TL_DTYPES,
     Kernel,
     align_elems,
+    keep_for_stream,
     storage_type,
     to_storage,
 )
@@ -126,6 +127,7 @@ def scale(group, factor: float, divide: bool, *, block: int = DEFAULT_BLOCK,
     table = group.device_table(block, group.device)
     # Launch on the tensors' device (Triton launches on the current device).
     with torch.cuda.device(group.device) if group.device.type == "cuda" else contextlib.nullcontext():
+        keep_for_stream(table)
         scale_kernel.on(group.device)[(n_blocks,)](
             table, len(group.numels), float(factor), num_warps=num_warps, **cx,
         )
