@@ -84,6 +84,9 @@ def check_tensor_list(tensors, name: str) -> tuple:
 def chunk_map(numels: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
     """For ``block`` elements per program: the tensor (int32 position) each program
     works on and the element it starts at (int64), tensors in order."""
+    if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 1:
+        # A zero block would map no program at all: a launch that writes nothing.
+        raise ValueError(f"block (elements per program, e.g. a tuned chunk) must be a positive int, got {block!r}")
     nblk = (numels + block - 1) // block
     ends = np.cumsum(nblk)
     total = int(ends[-1]) if len(ends) else 0

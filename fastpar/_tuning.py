@@ -16,7 +16,7 @@ The file is read once per device and process, lazily on the first launch. Keys a
 ``(op, backend, source dtype, destination dtype, size bucket)``; a key that was not
 tuned gets ``{}``, i.e. the launcher's defaults. A missing, unreadable, corrupt,
 wrong-schema, hand-edited (its SHA-256 digest no longer matches), other-device or
-other-version (fastpar, torch, triton or numba) file never fails an op: it is ignored
+other-version (fastpar, its kernel sources, torch, triton or numba) file never fails an op: it is ignored
 with one :class:`TuningWarning` per device and process, and every launch uses the
 defaults. Files are JSON, validated field by field before use; nothing is unpickled.
 
@@ -115,6 +115,27 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
+def _cpu_id() -> str:
+    """``f<family>m<model>s<stepping>`` from ``/proc/cpuinfo``, or "" (VMs often report
+    a bare "AMD EPYC" as the model name, whatever the generation behind it)."""
+    want = {"cpu family": "f", "model": "m", "stepping": "s"}
+    got = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                k = k.strip()
+                if k in want and k not in got:
+                    got[k] = v.strip()
+                if not line.strip() and got:  # the first processor's block is enough
+                    break
+    except OSError:
+        return ""
+    if set(got) != set(want) or not all(v.isdigit() for v in got.values()):
+        return ""
+    return "".join(want[k] + got[k] for k in want)
+
+
 def _cpu_count() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -122,12 +143,21 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+def _cpu_threads() -> int:
+    """Threads the Numba kernels' parallel regions use (``NUMBA_NUM_THREADS``, by default
+    the CPUs this process may run on)."""
+    import numba
+
+    return int(numba.config.NUMBA_NUM_THREADS)
+
+
 _device_info_cache: dict = {}
 
 
 def device_info(device) -> dict:
     """``{"type", "name", "slug"}`` of ``device`` (a ``torch.device`` or string). The CPU
-    slug includes the CPUs this process may use: tuning depends on the thread count."""
+    slug names the model, its family/model/stepping numbers and the Numba thread count
+    (``cpu-amd-epyc-f25m17s1-2t``): tuning depends on each."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -135,7 +165,8 @@ def device_info(device) -> dict:
     if hit is None:
         if device.type == "cpu":
             name = _cpu_name()
-            slug = f"cpu-{slugify(name)}-{_cpu_count()}cpu"
+            cpu_id = _cpu_id()
+            slug = f"cpu-{slugify(name)}{'-' + cpu_id if cpu_id else ''}-{_cpu_threads()}t"
         elif device.type == "cuda":
             name = torch.cuda.get_device_name(device)
             slug = f"cuda-{slugify(name)}"
@@ -146,15 +177,34 @@ def device_info(device) -> dict:
     return dict(hit)
 
 
+_kernels_digest: str | None = None
+
+
+def kernels_digest() -> str:
+    """SHA-256 (16 hex digits) of the kernel and launcher sources (``fastpar.kernels``):
+    a winner is only as good as the code it was timed on, and the package version does
+    not change with every commit."""
+    global _kernels_digest
+    if _kernels_digest is None:
+        from . import kernels
+
+        root = Path(kernels.__file__).resolve().parent
+        h = hashlib.sha256()
+        for f in sorted(root.rglob("*.py")):
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+        _kernels_digest = h.hexdigest()[:16]
+    return _kernels_digest
+
+
 def versions() -> dict:
-    """Versions a tuned file must match to be used."""
+    """Versions a tuned file must match to be used (the kernels' by source digest)."""
     import numba
     import triton
 
     from . import __version__
 
-    return {"fastpar": __version__, "torch": torch.__version__, "triton": triton.__version__,
-            "numba": numba.__version__}
+    return {"fastpar": __version__, "kernels": kernels_digest(), "torch": torch.__version__,
+            "triton": triton.__version__, "numba": numba.__version__}
 
 
 def dtype_name(dtype) -> str:
@@ -239,11 +289,35 @@ def load_space(path: str | os.PathLike | None = None) -> dict:
         doc = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise TuningFileError(f"search space {path}: cannot read it as JSON ({type(e).__name__}: {e})") from e
-    validate_space(doc, str(path))
+    validate_space(doc, str(path), floors=path.resolve() != SPACE_PATH.resolve())
     return doc
 
 
-def validate_space(doc, where: str = "search space") -> None:
+_floors_cache: dict | None = None
+
+
+def _floors() -> dict:
+    """``(op, backend, param) -> {"min", "pow2"}`` of the packaged search space: limits
+    no other space or tuned file may go below (a chunk of 0 would launch nothing)."""
+    global _floors_cache
+    if _floors_cache is None:
+        doc = json.loads(SPACE_PATH.read_text())
+        validate_space(doc, str(SPACE_PATH), floors=False)
+        _floors_cache = {
+            (op, b, p): {"min": spec["min"], "pow2": spec.get("pow2", False)}
+            for op, e in doc["ops"].items() for b, be in e["backends"].items() for p, spec in be["params"].items()
+        }
+    return _floors_cache
+
+
+def check_floor(value, op: str, backend: str, param: str, where: str) -> None:
+    """Raise unless ``value`` respects the packaged space's limits for ``param``."""
+    floor = _floors().get((op, backend, param))
+    if floor is not None:
+        check_param_value(value, floor, where)
+
+
+def validate_space(doc, where: str = "search space", *, floors: bool = True) -> None:
     _expect(isinstance(doc, dict), where, type(doc).__name__, "a JSON object")
     _expect(doc.get("schema") == SPACE_SCHEMA, f"{where}: schema", doc.get("schema"), repr(SPACE_SCHEMA))
     check_bounds(doc.get("size_buckets"), f"{where}: size_buckets")
@@ -283,6 +357,9 @@ def validate_space(doc, where: str = "search space") -> None:
             for p, spec in ps.items():
                 check_param_spec(spec, f"{wb}.params.{p}")
                 _expect("values" in spec, f"{wb}.params.{p}.values", None, "a list of candidate values")
+                if floors:
+                    for i, v in enumerate(spec["values"]):
+                        check_floor(v, op, b, p, f"{wb}.params.{p}.values[{i}]")
             defaults = be.get("defaults", e.get("defaults", {}))
             _expect(isinstance(defaults, dict), f"{wb}.defaults", defaults, "an object")
             for p, v in defaults.items():
@@ -363,6 +440,9 @@ def validate_results(doc, *, slug: str | None = None, current_versions: dict | N
         for p, v in win["params"].items():
             _expect(p in pspecs, f"{w}.winner.params", p, f"one of {', '.join(pspecs)}")
             check_param_value(v, pspecs[p], f"{w}.winner.params.{p}")
+            # The file's own space is no guard (it is written by the same hand): the
+            # packaged limits are.
+            check_floor(v, e["op"], e["backend"], p, f"{w}.winner.params.{p}")
     if slug is not None:
         _expect(dev["slug"] == slug, "device.slug", dev["slug"], f"{slug!r} (this device)")
     if current_versions is not None and vers != current_versions:

@@ -92,11 +92,13 @@ MIN_ROUNDS, MAX_ROUNDS, WARMUP_ROUNDS = 7, 60, 2
 
 
 class Work(NamedTuple):
-    """What a runner returns: one callable per input set, and bytes moved per call."""
+    """What a runner returns: one callable per input set, bytes moved per call, and the
+    tensors ``fns[0]`` writes (each candidate must write them as the defaults do)."""
 
     fns: list
     nbytes: int
     n_tensors: int
+    outputs: list = []
 
 
 # --------------------------------------------------------------------------- runners
@@ -130,7 +132,8 @@ def flatten_runner(device, src_dtype, dst_dtype, scale, numel: int, n_sets: int)
     for ts in _tensor_sets(device, src_dtype, numel, n_sets):
         out = torch.zeros(numel, dtype=dst_dtype, device=device)
         fns.append(functools.partial(fastpar.flatten, ts, dtype=dst_dtype, scale=scale, out=out))
-    return Work(fns, numel * (src_dtype.itemsize + dst_dtype.itemsize), len(param_like_sizes(numel)))
+    return Work(fns, numel * (src_dtype.itemsize + dst_dtype.itemsize), len(param_like_sizes(numel)),
+                [fns[0].keywords["out"]])
 
 
 def unflatten_into_runner(device, src_dtype, dst_dtype, scale, numel: int, n_sets: int) -> Work:
@@ -142,7 +145,8 @@ def unflatten_into_runner(device, src_dtype, dst_dtype, scale, numel: int, n_set
     for ts in _tensor_sets(device, dst_dtype, numel, n_sets):
         flat = torch.randn(numel, device=device).to(src_dtype)
         fns.append(functools.partial(fastpar.unflatten_into, flat, ts, scale=scale))
-    return Work(fns, numel * (src_dtype.itemsize + dst_dtype.itemsize), len(param_like_sizes(numel)))
+    return Work(fns, numel * (src_dtype.itemsize + dst_dtype.itemsize), len(param_like_sizes(numel)),
+                list(fns[0].args[1]))
 
 
 def _resolve(dotted: str) -> Callable:
@@ -312,6 +316,36 @@ def _plan_jobs(space: dict, ops, device_type: str, quick: bool) -> list[dict]:
     return jobs
 
 
+def _poison(t: torch.Tensor) -> None:
+    t.fill_(float("nan") if t.is_floating_point() else -123)
+
+
+def verify_candidates(work: Work, cands: list, op: str, backend: str) -> None:
+    """Run ``work.fns[0]`` once per candidate, untimed, into poisoned outputs, and raise
+    ``RuntimeError`` unless each writes exactly what the launcher defaults write: a
+    candidate that skips or garbles elements must never be timed, let alone win."""
+    if not work.outputs:
+        return
+    ref = None
+    for c in [None, *cands]:
+        for t in work.outputs:
+            _poison(t)
+        with _tuning.forced({} if c is None else {(op, backend): c}):
+            work.fns[0]()
+        got = [t.clone() for t in work.outputs]
+        if ref is None:
+            ref = got
+            continue
+        bad = next((i for i, (a, b) in enumerate(zip(got, ref)) if not torch.equal(a, b)), None)
+        if bad is not None:
+            wrong = int((got[bad] != ref[bad]).sum())
+            raise RuntimeError(
+                f"autotune: {op} on {backend} with {c} wrote different values from the defaults "
+                f"(output {bad}: {wrong} of {ref[bad].numel()} elements differ); the search space "
+                "holds a candidate the launcher does not run correctly"
+            )
+
+
 def _tune_one(job: dict, device: torch.device, *, quick: bool, min_gain: float, bar) -> dict:
     op, backend, be, e = job["op"], job["backend"], job["spec"], job["entry"]
     pspecs = be["params"]
@@ -334,6 +368,7 @@ def _tune_one(job: dict, device: torch.device, *, quick: bool, min_gain: float, 
     cands = _candidates(pspecs, default)
     with _dispatch.use_backend(backend):
         work = runner(device, src, dst, scale, numel, n_sets)
+        verify_candidates(work, cands, op, backend)
         flush = None
         if device.type == "cpu" and set_bytes * len(work.fns) < 2 * llc_bytes():
             scratch = torch.empty(2 * llc_bytes(), dtype=torch.uint8)

@@ -200,6 +200,14 @@ BAD_FILES = {
                      "this device"),
     "other version": (lambda p: _rewrite(p, lambda d: _set(d, ["versions", "torch"], "1.0.0"), redigest=True),
                       "tuned with torch 1.0.0"),
+    # The package version stays 0.1.0 across commits; the kernels' source digest does not.
+    "other kernel sources": (lambda p: _rewrite(p, lambda d: _set(d, ["versions", "kernels"], "0123abcd"),
+                                                redigest=True), "tuned with kernels 0123abcd"),
+    # The file's own space allowing it is no excuse: a chunk of 0 would launch nothing.
+    "below the packaged floor": (lambda p: _rewrite(p, lambda d: (
+        _set(d, ["space", "flatten", "numba", "params", "chunk", "min"], 0),
+        _set(d, ["entries", _key(0), "winner", "params", "chunk"], 0)), redigest=True),
+        "expected an integer >= 1"),
 }
 
 
@@ -426,3 +434,50 @@ def test_pick_sign_test():
     # Under min_gain: the default stays.
     w = autotune._pick([_cand(d, [1.0] * 9), _cand({"chunk": 1}, [0.99] * 9)], d, 0.03)
     assert w["params"] == d and "min_gain" in w["reason"]
+
+
+def test_space_below_the_packaged_floor_is_refused(tmp_path):
+    space = json.loads(_tuning.SPACE_PATH.read_text())
+    space["ops"]["flatten"]["backends"]["numba"]["params"]["chunk"] = {"values": [0, 65536], "min": 0}
+    p = tmp_path / "space.json"
+    p.write_text(json.dumps(space))
+    with pytest.raises(TuningFileError, match=r"numba\.params\.chunk\.values\[0\]: expected an integer >= 1, got 0"):
+        _tuning.load_space(p)
+
+
+def test_a_zero_chunk_raises_instead_of_writing_nothing():
+    ts = [torch.randn(10), torch.randn(7)]
+    out = torch.full((17,), float("nan"))
+    with _tuning.forced({("flatten", "numba"): {"chunk": 0}}):
+        with pytest.raises(ValueError, match="must be a positive int, got 0"):
+            fastpar.flatten(ts, out=out)
+    assert out.isnan().all()
+
+
+def test_a_candidate_that_computes_wrong_values_is_never_timed(monkeypatch):
+    from fastpar.kernels.ops_numba import flatten as nf
+
+    real = nf.flatten
+
+    def sloppy(group, out, scale, **kw):
+        if kw.get("chunk") == 4096:
+            return None  # pretends to run, writes nothing
+        return real(group, out, scale, **kw)
+
+    monkeypatch.setattr(nf, "flatten", sloppy)
+    monkeypatch.setattr(fastpar._dispatch, "_kernel", lambda backend, op: sloppy if op == "flatten" else None)
+    work = autotune.flatten_runner(torch.device("cpu"), F32, torch.bfloat16, 0.5, 20000, 1)
+    autotune.verify_candidates(work, [{"chunk": 1024}], "flatten", "numba")  # a correct one passes
+    with pytest.raises(RuntimeError, match=r"with \{'chunk': 4096\} wrote different values from the defaults "
+                                           r"\(output 0: 20000 of 20000 elements differ\)"):
+        autotune.verify_candidates(work, [{"chunk": 1024}, {"chunk": 4096}], "flatten", "numba")
+
+
+def test_cpu_slug_names_the_cpu_generation_and_thread_count(monkeypatch):
+    import numba
+
+    slug = _tuning.device_info("cpu")["slug"]
+    assert slug.startswith("cpu-") and slug.endswith(f"-{numba.config.NUMBA_NUM_THREADS}t"), slug
+    cpu_id = _tuning._cpu_id()
+    if cpu_id:  # Linux: family, model and stepping numbers
+        assert f"-{cpu_id}-" in slug and cpu_id[0] == "f" and "m" in cpu_id and "s" in cpu_id
