@@ -64,7 +64,81 @@ def test_flatten_cast_scale(backend, src, dst, scale):
         # Conversions follow Tensor.to bit for bit (round to nearest even).
         exp = torch._utils._flatten_dense_tensors([t.contiguous() for t in ts])
         exp = (exp * scale if scale is not None else exp).to(dst)
-        assert torch.equal(out.view(torch.uint8), exp.view(torch.uint8)) or torch.equal(out, exp)
+        assert torch.equal(out.view(torch.uint8), exp.view(torch.uint8)), f"{src}->{dst} not bit-exact"
+
+
+#: Every dtype the kernels convert between (``_validate.CAST_DTYPES``).
+CAST_DTYPES = FLOAT_DTYPES + [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8]
+
+
+#: Conversions with an integer side (float pairs: test_flatten_cast_scale): each integer
+#: dtype to and from two float dtypes and to and from two integer ones (each pair is a
+#: kernel compiled on its own; all 52 would add a minute of Numba compilation to CI).
+_INTS = [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8]
+INT_PAIRS = ([(i, FLOAT_DTYPES[k % 4]) for k, i in enumerate(_INTS)]
+             + [(FLOAT_DTYPES[(k + 1) % 4], i) for k, i in enumerate(_INTS)]
+             + [(i, _INTS[(k + 1) % 5]) for k, i in enumerate(_INTS)])
+
+
+@pytest.mark.parametrize("src,dst", INT_PAIRS, ids=lambda v: str(v).replace("torch.", ""))
+def test_integer_conversions_follow_tensor_to(backend, src, dst):
+    # Whole values inside every dtype's range (exact in bfloat16 too); negative ones
+    # only where both sides are signed (float -> uint8 of a negative is undefined in C++).
+    lo = 0 if torch.uint8 in (src, dst) else -100
+    ts = [torch.randint(lo, 101, s).to(src) for s in [(7,), (3, 5), (), (0,), (1,), (1030,)]]
+    ts.append(torch.randint(lo, 101, (6, 4)).to(src).t())  # non-contiguous
+    out = poison_(torch.empty(sum(t.numel() for t in ts), dtype=dst))
+    fastpar.flatten(ts, dtype=dst, out=out)
+    exp = torch.cat([t.reshape(-1) for t in ts]).to(dst)
+    assert torch.equal(out, exp), f"flatten {src}->{dst}: {int((out != exp).sum())} elements differ"
+    back = [poison_(torch.empty(t.shape, dtype=src)) for t in ts]
+    fastpar.unflatten_into(out, back)
+    for i, (b, t) in enumerate(zip(back, ts)):
+        assert torch.equal(b, t), f"unflatten_into {dst}->{src}: tensor {i} differs"
+
+
+#: Pairs covering every Numba load/store kind combination (plain, f16, bf16; float32
+#: and float64 plain), each compiled for the parallel path below.
+PARALLEL_PAIRS = [
+    (torch.float32, torch.bfloat16, 0.37), (torch.float16, torch.float32, 0.37),
+    (torch.float32, torch.float64, 0.37), (torch.float16, torch.bfloat16, 0.37),
+    (torch.bfloat16, torch.float64, 0.37), (torch.float64, torch.float16, 0.37),
+    (torch.float16, torch.float32, None), (torch.int8, torch.float32, None), (torch.float32, torch.int16, None),
+]
+
+
+@pytest.mark.parametrize("src,dst,scale", PARALLEL_PAIRS, ids=lambda v: str(v).replace("torch.", ""))
+def test_numba_parallel_path_casts_every_element(src, dst, scale):
+    # Calls this small run on the calling thread by default; forcing the parallel path
+    # (a threshold of 0 bytes, 1000-element chunks) covers its block split, tails and
+    # >65536-element tensors for conversions, both ways.
+    from fastpar import _tuning
+
+    shapes = [(65537,), (0,), (1,), (3, 5), (4099,)]
+    if dst.is_floating_point:
+        ts = make(shapes, src, noncontig=True)
+    else:
+        ts = [torch.randint(-100, 101, s).to(src) for s in shapes]
+    knobs = {"parallel_min_bytes": 0, "chunk": 1000}
+    total = sum(t.numel() for t in ts)
+    with fastpar.use_backend("numba"), _tuning.forced({("flatten", "numba"): knobs, ("unflatten_into", "numba"): knobs}):
+        out = poison_(torch.empty(total, dtype=dst))
+        fastpar.flatten(ts, dtype=dst, scale=scale, out=out)
+        back = [poison_(torch.empty(t.shape, dtype=src)) for t in ts]
+        fastpar.unflatten_into(out, back, scale=None if scale is None else 1 / scale)
+    if scale is None:
+        exp = torch.cat([t.reshape(-1) for t in ts]).to(dst)
+        assert torch.equal(out, exp), f"{src}->{dst}: {int((out != exp).sum())} of {total} elements differ"
+    else:
+        assert_close(out, ref_flat(ts, scale=scale), dtype=dst, what=f"parallel flatten {src}->{dst}")
+    off = 0
+    for i, b in enumerate(back):
+        n = b.numel()
+        exp = out[off : off + n].to(torch.float64).view(b.shape)
+        exp = exp / scale if scale is not None else exp
+        assert_close(b, exp, dtype=src, what=f"parallel unflatten_into {dst}->{src}, tensor {i}",
+                     tol=None if scale is None else (TOL[src][0] + 2e-7, TOL[src][1]))
+        off += n
 
 
 def test_flatten_int_float_casts(backend):
@@ -208,10 +282,6 @@ def test_version_counters_bumped():
 
 
 # ---------------------------------------------------------------- bad input
-def _untouched(t, snapshot):
-    return torch.equal(t, snapshot) or (t.isnan() == snapshot.isnan()).all()
-
-
 @pytest.mark.parametrize(
     "tensors,kwargs,exc,match",
     [
@@ -319,11 +389,52 @@ def test_unflatten_into_bad_input():
         fastpar.unflatten_into(targets[0], targets)
     with pytest.raises(ValueError, match="flat must be on cpu"):
         fastpar.unflatten_into(torch.empty(2, device="meta"), targets)
+    ints = [poison_(torch.empty(2, dtype=torch.int32))]
     with pytest.raises(TypeError, match="scale needs floating-point"):
-        fastpar.unflatten_into(torch.randn(2), [torch.zeros(2, dtype=torch.int32)], scale=2.0)
+        fastpar.unflatten_into(torch.randn(2), ints, scale=2.0)
+    assert (ints[0] == -7).all(), "a rejected call wrote into an int32 target"
     with pytest.raises(TypeError, match=r"tensors\[0\] has layout"):
         fastpar.unflatten_into(torch.randn(4), [torch.eye(2).to_sparse()])
     assert targets[0].isnan().all()
+
+
+def test_unflatten_into_checks_every_target_before_writing_any():
+    # A valid first target and a bad later one: the call is refused as a whole.
+    good = poison_(torch.empty(3))
+    with pytest.raises(TypeError, match=r"tensors\[1\] must be a torch.Tensor, got list"):
+        fastpar.unflatten_into(torch.randn(5), [good, [1.0, 2.0]])
+    with pytest.raises(ValueError, match=r"tensors\[1\] has internally overlapping memory"):
+        fastpar.unflatten_into(torch.randn(7), [good, torch.zeros(1).expand(4)])
+    with pytest.raises(TypeError, match="scale needs floating-point"):
+        fastpar.unflatten_into(torch.randn(5), [good, torch.zeros(2, dtype=torch.int64)], scale=0.5)
+    with torch.inference_mode():
+        inf = torch.zeros(2)
+    with pytest.raises(RuntimeError, match=r"tensors\[1\] is an inference tensor"):
+        fastpar.unflatten_into(torch.randn(5), [good, inf])
+    assert good.isnan().all(), "a rejected call wrote into tensors[0]"
+    assert (inf == 0).all()
+
+
+def test_unflatten_bad_flat():
+    ts = [torch.randn(2, 3), torch.randn(4)]
+    with pytest.raises(ValueError, match="flat must have exactly 10 elements .* got 9 \\(too small\\)"):
+        fastpar.unflatten(torch.randn(9), ts)
+    with pytest.raises(ValueError, match=r"flat must be a contiguous 1-D tensor, got shape \(2, 5\)"):
+        fastpar.unflatten(torch.randn(2, 5), ts)
+    with pytest.raises(TypeError, match="flat must be a torch.Tensor, got list"):
+        fastpar.unflatten([0.0] * 10, ts)
+    views = fastpar.unflatten(torch.arange(10.0, dtype=torch.float64), ts)  # flat's dtype, ts' shapes
+    assert [v.dtype for v in views] == [torch.float64] * 2 and [v.shape for v in views] == [t.shape for t in ts]
+
+
+def test_backend_selection_errors():
+    with pytest.raises(ValueError, match="backend must be one of auto, triton, numba, torch; got 'bogus'"):
+        with fastpar.use_backend("bogus"):
+            pass
+    out = torch.empty(3, device="meta")
+    with fastpar.use_backend("numba"):
+        with pytest.raises(RuntimeError, match="backend 'numba' cannot run on meta tensors \\(it runs on cpu\\)"):
+            fastpar.flatten([torch.empty(3, device="meta")], out=out)
 
 
 def test_unflatten_into_rejects_expanded_destination():
@@ -371,9 +482,10 @@ def test_unflatten_into_non_contiguous_leaf_view_bypasses_autograd():
     # like the kernel's writes (it raised for a view of a leaf, after writing the rest).
     a = torch.zeros(3)
     w = torch.zeros(2, 2, requires_grad=True)
-    fastpar.unflatten_into(torch.arange(7.0) + 1, [a, w.t()])
-    assert torch.equal(a, torch.tensor([1.0, 2.0, 3.0]))
-    assert torch.equal(w.detach(), torch.tensor([[4.0, 6.0], [5.0, 7.0]])) and w.grad_fn is None
+    flat = torch.randn(7)
+    fastpar.unflatten_into(flat, [a, w.t()])
+    assert torch.equal(a, flat[:3])
+    assert torch.equal(w.detach().t(), flat[3:].view(2, 2)) and w.grad_fn is None
 
 
 def test_inference_tensors_are_written_only_in_inference_mode():
