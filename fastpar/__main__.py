@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import platform
 import sys
+from pathlib import Path
 
 
 def _info(args) -> int:
@@ -51,6 +52,41 @@ def _info(args) -> int:
     return 0
 
 
+def writable_or_exit(folder, flag: str = "--results-dir") -> int | None:
+    """Create ``folder`` and write a scratch file there before any measuring starts, so
+    an unwritable results folder costs a message, not a whole run; return 2 (after
+    printing why) when it fails, else None."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    folder = Path(folder)
+    created = [p for p in (folder, *folder.parents) if not p.exists()]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=folder, prefix=".write-test-")
+        os.close(fd)
+        os.unlink(name)
+        for p in created:  # leave no empty folders behind: the run makes them again
+            p.rmdir()
+    except OSError as e:
+        print(f"{flag}: cannot write results to {folder} ({type(e).__name__}: {e}); pass {flag} "
+              "(or set FASTPAR_RESULTS_DIR) to a writable folder", file=sys.stderr)
+        return 2
+    return None
+
+
+def comma_list(text, flag: str):
+    """``"a, b"`` -> ``["a", "b"]``; None for None; raises ``ValueError`` naming ``flag``
+    for a list with no names in it (``","`` or ``""``), which would otherwise mean all."""
+    if text is None:
+        return None
+    items = [w.strip() for w in text.split(",") if w.strip()]
+    if not items:
+        raise ValueError(f"{flag}: expected a comma-separated list of names, got {text!r}")
+    return items
+
+
 def _quiet_triton() -> None:
     import warnings
 
@@ -71,7 +107,15 @@ def _autotune(args) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     from . import _tuning, autotune
 
-    ops = [o.strip() for o in args.ops.split(",") if o.strip()] if args.ops else None
+    try:
+        ops = comma_list(args.ops, "--ops")
+    except ValueError as e:
+        print(f"autotune: {e}", file=sys.stderr)
+        return 2
+    root = args.results_dir if args.results_dir is not None else _tuning.results_dir()
+    bad = writable_or_exit(_tuning.autotune_path("probe", Path(root)).parent)
+    if bad:
+        return bad
     try:
         result = autotune.tune(ops, quick=args.quick, space=args.space, root=args.results_dir,
                                progress=not args.no_progress)
@@ -100,7 +144,11 @@ def main(argv=None) -> int:
     pa.add_argument("--no-progress", action="store_true", help="no progress bar")
     pa.add_argument("-v", "--verbose", action="store_true", help="log what is tuned and skipped")
     args = parser.parse_args(argv)
-    return {"info": _info, "bench": _bench, "autotune": _autotune}[args.command](args)
+    try:
+        return {"info": _info, "bench": _bench, "autotune": _autotune}[args.command](args)
+    except KeyboardInterrupt:
+        print(f"\n{parser.prog} {args.command}: interrupted; nothing more was written", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -424,6 +424,34 @@ def validate_bench(doc) -> None:
             _expect("fastpar untuned" in med, f"{w}.median_s", med, "the fastpar untuned median beside tuned_gain")
 
 
+#: Environment variables that change what a run measures (recorded in its JSON).
+_ENV_VARS = ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "THP_MEM_ALLOC_ENABLE",
+             "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "TRITON_INTERPRET")
+
+
+def run_environment() -> dict:
+    """The settings behind a run: the source commit (when run from a git checkout), the
+    variables above and every ``FASTPAR_*`` one, and the kernel's transparent huge page
+    mode."""
+    import subprocess
+
+    commit = None
+    src = Path(__file__).resolve().parent.parent
+    if (src / ".git").exists():
+        try:
+            r = subprocess.run(["git", "-C", str(src), "describe", "--always", "--dirty", "--abbrev=12"],
+                               capture_output=True, text=True, timeout=10)
+            commit = r.stdout.strip() or None if r.returncode == 0 else None
+        except (OSError, subprocess.SubprocessError):
+            commit = None
+    env = {k: v for k, v in sorted(os.environ.items()) if k in _ENV_VARS or k.startswith("FASTPAR_")}
+    try:
+        thp = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
+    except OSError:
+        thp = None
+    return {"commit": commit, "env": env, "transparent_hugepage": thp}
+
+
 def _stamp() -> tuple[str, str]:
     now = datetime.datetime.now(datetime.timezone.utc)
     return now.isoformat(timespec="seconds"), now.strftime("%Y%m%dT%H%M%SZ")
@@ -443,9 +471,11 @@ def run(sizes: str = "full", *, root=None, note: str | None = None, only=None, p
         iso, stamp = _stamp()
         load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
         tuning = _tuning.status(device)
+        backend = _dispatch.backend_for(device)
         rows = run_device(device, sizes, only=only, progress=progress)
         doc = {
             "schema": SCHEMA, "timestamp": iso, "device": info, "versions": _tuning.versions(), "sizes": sizes,
+            "backend": backend, **run_environment(),
             "host": {"python": platform.python_version(), "cpus": _tuning._cpu_count(),
                      "numba_threads": numba.get_num_threads(), "torch_threads": torch.get_num_threads(),
                      "loadavg_1min": [load0, os.getloadavg()[0] if hasattr(os, "getloadavg") else None]},
@@ -457,7 +487,8 @@ def run(sizes: str = "full", *, root=None, note: str | None = None, only=None, p
             "png": f"{info['slug']}-{stamp}.png",
         }
         validate_bench(doc)
-        print(f"\n{info['name']} ({info['slug']}), {sizes} sizes, tuned parameters: {tuning['state']}"
+        print(f"\n{info['name']} ({info['slug']}), {sizes} sizes, fastpar backend {backend}, "
+              f"tuned parameters: {tuning['state']}"
               f"{' (' + tuning['path'] + ')' if tuning.get('path') else ''}", file=out)
         print(table(rows), file=out)
         bench_dir.mkdir(parents=True, exist_ok=True)
@@ -488,9 +519,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args) -> int:
     sizes = args.sizes or ("quick" if args.quick else "full")
+    from .__main__ import comma_list, writable_or_exit
+
     only = None
-    if args.workloads:
-        only = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    if args.workloads is not None:
+        try:
+            only = comma_list(args.workloads, "--workloads")
+        except ValueError as e:
+            print(e, file=sys.stderr)
+            return 2
         bad = [w for w in only if w not in WORKLOADS]
         if bad:
             print(f"--workloads: unknown {bad}; expected some of {', '.join(WORKLOADS)}", file=sys.stderr)
@@ -509,6 +546,9 @@ def main(args) -> int:
     if args.results_dir:
         os.environ["FASTPAR_RESULTS_DIR"] = args.results_dir
         _tuning.reload()
+    bad = writable_or_exit(Path(args.results_dir or _tuning.results_dir()) / "bench")
+    if bad:
+        return bad
     run(sizes, root=args.results_dir, note=args.note, only=only, progress=not args.no_progress,
         device_types=types)
     return 0

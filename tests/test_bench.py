@@ -46,6 +46,10 @@ def test_bench_cli_tiny_end_to_end(tmp_path):
     bench.validate_bench(doc)
     assert doc["png"] == pngs[0].name and doc["note"] == "test run" and doc["sizes"] == "tiny"
     assert doc["tuning"]["state"] == "ok"
+    # What a reader needs to reproduce the run: backend, source commit, settings.
+    assert doc["backend"] == "numba" and "fastpar backend numba" in r.stdout
+    assert doc["env"]["FASTPAR_RESULTS_DIR"] == str(tmp_path)
+    assert "commit" in doc and "transparent_hugepage" in doc
     got = {(row["op"], row["workload"]) for row in doc["rows"]}
     assert got == {(c.op, w) for c in bench.CASES for w in bench.workloads("tiny")}
     # Every workload is in bucket 0, where the tuned file differs from the defaults: the

@@ -26,3 +26,42 @@ def test_bench_unknown_workload_is_a_clear_error(capsys, tmp_path):
     assert main(["bench", "--workloads", "resnet", "--results-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "resnet" in err and "transformer" in err
+
+
+@pytest.mark.parametrize("argv", [["autotune", "--ops", ","], ["autotune", "--ops", ""],
+                                  ["bench", "--workloads", ","], ["bench", "--workloads", " "]])
+def test_an_empty_name_list_is_an_error_not_everything(capsys, tmp_path, argv):
+    # An empty list used to mean "all" (bench) or "nothing, exit 0" (autotune).
+    assert main([*argv, "--results-dir", str(tmp_path), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"{argv[1]}: expected a comma-separated list of names, got {argv[2]!r}" in err, err
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("command", ["bench", "autotune"])
+def test_an_unwritable_results_dir_fails_before_measuring(capsys, tmp_path, monkeypatch, command):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    import fastpar.autotune
+    import fastpar.bench
+
+    def must_not_run(*a, **k):
+        raise AssertionError("measured before checking the results folder")
+
+    monkeypatch.setattr(fastpar.bench, "run", must_not_run)
+    monkeypatch.setattr(fastpar.autotune, "tune", must_not_run)
+    assert main([command, "--results-dir", str(blocker), "--no-progress", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert f"--results-dir: cannot write results to {blocker}" in err and "writable folder" in err, err
+
+
+def test_ctrl_c_exits_130_with_one_line(capsys, monkeypatch, tmp_path):
+    import fastpar.bench
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fastpar.bench, "run", interrupted)
+    assert main(["bench", "--results-dir", str(tmp_path), "--no-progress", "--quick"]) == 130
+    err = capsys.readouterr().err
+    assert "python -m fastpar bench: interrupted" in err and "Traceback" not in err
