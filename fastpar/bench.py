@@ -88,6 +88,9 @@ class Case:
     #: ``(tuning op, source dtype, destination dtype)`` of the fastpar call, to look up
     #: its tuned parameters and measure the untuned default beside them; None: skip.
     tuned: tuple | None = None
+    #: What the torch side does, in a few words (recorded in each row and printed under
+    #: the table: some baselines allocate every call where fastpar reuses a buffer).
+    baseline: str = ""
 
 
 def _flatten_alloc(ts):
@@ -174,13 +177,25 @@ def _replicate(ts, k=2):
 F32, BF16 = torch.float32, torch.bfloat16
 #: The cases benchmarked, in table order (see the module docstring to add one).
 CASES: list[Case] = [
-    Case("flatten", "fp32", _flatten_alloc, ("flatten", F32, F32)),
-    Case("flatten out=", "fp32", _flatten_out, ("flatten", F32, F32)),
-    Case("flatten bf16+scale out=", "fp32->bf16", _flatten_bf16_scale, ("flatten", F32, BF16)),
-    Case("unflatten_into", "fp32", _unflatten_into, ("unflatten_into", F32, F32)),
-    Case("reduce_add_coalesced K=4 out=", "fp32", _reduce_add_coalesced, ("reduce_add", F32, F32)),
-    Case("replicate K=2", "fp32", _replicate, None),
+    Case("flatten", "fp32", _flatten_alloc, ("flatten", F32, F32),
+         "torch._utils._flatten_dense_tensors (both allocate)"),
+    Case("flatten out=", "fp32", _flatten_out, ("flatten", F32, F32),
+         "torch.cat(views, out=) into the same reused buffer"),
+    Case("flatten bf16+scale out=", "fp32->bf16", _flatten_bf16_scale, ("flatten", F32, BF16),
+         "cat(out=) + mul_ + copy_ into reused buffers (three passes)"),
+    Case("unflatten_into", "fp32", _unflatten_into, ("unflatten_into", F32, F32),
+         "torch._foreach_copy_ from prebuilt views"),
+    Case("reduce_add_coalesced K=4 out=", "fp32", _reduce_add_coalesced, ("reduce_add", F32, F32),
+         "torch.nn.parallel.comm's algorithm on CPU tensors, allocating its buckets and results every "
+         "call (fastpar sums into reused out= tensors)"),
+    Case("replicate K=2", "fp32", _replicate, None,
+         "torch.nn.parallel.replicate with its broadcast replayed on CPU, fresh buckets every call "
+         "(fastpar refills persistent replica buffers)"),
 ]
+
+#: A row is flagged noisy when a provider's interquartile range exceeds this fraction
+#: of its median (a neighbour's load on a shared machine; see the README).
+NOISY_IQR = 0.25
 
 
 def _tiny_workloads():
@@ -311,6 +326,9 @@ def run_device(device, sizes: str, *, cases=None, only=None, progress: bool = Tr
                     "q25_s": {k: _sig(v["q25_s"]) for k, v in st.items()},
                     "q75_s": {k: _sig(v["q75_s"]) for k, v in st.items()},
                     "rounds": st["fastpar"]["reps"],
+                    "baseline": case.baseline,
+                    "noisy": sorted(k for k, v in st.items()
+                                    if v["median_s"] > 0 and (v["q75_s"] - v["q25_s"]) > NOISY_IQR * v["median_s"]),
                 }
                 if tuned is not None:
                     row["untuned_gbps"] = _gbps(s.nbytes, med["fastpar untuned"])
@@ -332,9 +350,17 @@ def table(rows: list[dict]) -> str:
            "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         gain = f"{r['tuned_gain']:.2f}x" if r.get("tuned_gain") is not None else "defaults"
+        noisy = " (noisy)" if r.get("noisy") else ""
         out.append(f"| {r['op']} | {r['workload']} | {r['dtype']} | {size(r['bytes'])} | "
-                   f"{r['fastpar_gbps']:.2f} | {r['torch_gbps']:.2f} | {r['ratio']:.2f}x | {r['copy_gbps']:.2f} | "
+                   f"{r['fastpar_gbps']:.2f} | {r['torch_gbps']:.2f} | {r['ratio']:.2f}x{noisy} | {r['copy_gbps']:.2f} | "
                    f"{100 * r['of_copy']:.0f}% | {gain} |")
+    baselines = {r["op"]: r["baseline"] for r in rows if r.get("baseline")}
+    if baselines:
+        out.append("")
+        out.extend(f"* {op}: torch = {b}" for op, b in baselines.items())
+    if any(r.get("noisy") for r in rows):
+        out.append(f"* (noisy): a provider's quartiles spread by more than {NOISY_IQR:.0%} of its median "
+                   "in that row (load from other processes); read its ratio with care")
     return "\n".join(out)
 
 
