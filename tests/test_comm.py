@@ -307,6 +307,81 @@ def test_broadcast():
     assert all(r is o for r, o in zip(res, out)) and all(torch.equal(o, t) for o in out)
 
 
+@pytest.mark.parametrize("shape,dtype,got", [
+    ((2, 3), torch.float32, r"got shape \(2, 3\), torch.float32"),  # same numel, other shape
+    ((3, 2, 1), torch.float32, r"got shape \(3, 2, 1\), torch.float32"),
+    ((3, 2), torch.float64, r"got shape \(3, 2\), torch.float64"),  # copy_ would cast
+], ids=["shape", "ndim", "dtype"])
+def test_broadcast_out_rejections_write_nothing(shape, dtype, got):
+    # The bad tensor is last: every out is checked before any is written.
+    t = torch.randn(3, 2)
+    out = [poisoned(3, 2), poisoned(3, 2), poisoned(*shape, dtype=dtype)]
+    watched = [*out, t]
+    before = snapshot(watched)
+    with pytest.raises(ValueError, match=r"out\[2\] must match tensor \(shape \(3, 2\), torch.float32\), " + got):
+        comm.broadcast(t, out=out)
+    assert_unchanged(watched, before, what="rejected broadcast out")
+
+
+@pytest.mark.parametrize("tensors,devices,match", [
+    (lambda: [torch.randn(3), torch.randn(2, 2, dtype=torch.float64)], [0, 1],
+     r"tensors must be on devices\[0\] \(cuda:0\), got tensors on cpu"),
+    (lambda: [torch.randn(3), torch.randn(2, 2, dtype=torch.float64)], ["cuda:1", "cuda:0"],
+     r"tensors must be on devices\[0\] \(cuda:1\), got tensors on cpu"),
+    (lambda: [torch.empty(3, device="meta")], ["cpu", "cpu"], r"tensors must be on devices\[0\] \(cpu\), got tensors on meta"),
+], ids=["cpu-to-cuda", "cpu-to-cuda1", "meta-to-cpu"])
+def test_broadcast_coalesced_rejects_tensors_not_on_devices0(tensors, devices, match):
+    ts = tensors()
+    before = snapshot(ts)
+    with fastpar.count_launches() as n:
+        with pytest.raises(ValueError, match=match):
+            comm.broadcast_coalesced(ts, devices)
+    assert n.total == 0, f"a rejected broadcast_coalesced launched {n.by_op}"
+    if ts[0].device.type != "meta":
+        assert_unchanged(ts, before, what="rejected broadcast_coalesced inputs")
+
+
+@pytest.mark.slow
+def test_broadcast_coalesced_ten_thousand_tensors_and_a_large_one():
+    # 10,000 small tensors of mixed sizes (0, 1, odd) and dtypes, and one of more than
+    # 65536 elements (the Numba kernel's block: several blocks of one tensor, the last
+    # partial) in the middle of the list; three CPU replicas.
+    gen = torch.Generator().manual_seed(11)
+    dtypes = [torch.float32, torch.float64, torch.float16, torch.int64, torch.bool, torch.int8]
+    sizes = [0, 1, 3, 5, 7, 9, 17, 33]
+    picks = torch.randint(0, len(sizes) * len(dtypes), (10_000,), generator=gen).tolist()
+
+    def values(n, dtype):
+        if dtype == torch.bool:
+            return torch.randint(0, 2, (n,), generator=gen).bool()
+        if dtype.is_floating_point:
+            return torch.randn(n, generator=gen, dtype=torch.float64).to(dtype)
+        return torch.randint(-100, 100, (n,), generator=gen).to(dtype)
+
+    ts = [values(sizes[p % len(sizes)], dtypes[p // len(sizes)]) for p in picks]
+    ts.insert(4321, torch.randn(2 * 65536 + 7, generator=gen, dtype=torch.float32))
+    ts[17] = ts[17].view(1, -1) if ts[17].numel() else ts[17]  # one that is not 1-D
+    before = snapshot(ts)
+    copies = comm.broadcast_coalesced(ts, ["cpu", "cpu", "cpu"])
+    assert len(copies) == 3 and all(len(c) == len(ts) for c in copies)
+    assert all(c is t for c, t in zip(copies[0], ts)), "copies[0] must be the inputs themselves, as torch's"
+    assert_unchanged(ts, before, what="broadcast_coalesced inputs")
+    for d in (1, 2):
+        for i, (c, t) in enumerate(zip(copies[d], ts)):
+            assert c.dtype == t.dtype and c.shape == t.shape, f"copies[{d}][{i}]: {c.dtype} {tuple(c.shape)}"
+            if not torch.equal(c, t):
+                assert_close(c, t, tol=(0, 0), what=f"copies[{d}][{i}] ({t.numel()} elements)")
+                raise AssertionError(f"copies[{d}][{i}] differs from its source")
+            if t.numel():
+                lo, hi = c.data_ptr(), c.data_ptr() + c.numel() * c.element_size()
+                src_lo, src_hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+                assert hi <= src_lo or src_hi <= lo, f"copies[{d}][{i}] shares memory with its source"
+    big = [copies[d][4321] for d in (1, 2)]
+    assert big[0].data_ptr() != big[1].data_ptr(), "two replicas share one copy"
+    big[0].add_(1)  # a copy is independent of the source and of the other copy
+    assert torch.equal(ts[4321], before[4321]) and torch.equal(big[1], before[4321])
+
+
 # ------------------------------------------------------------------- scatter / gather
 @pytest.mark.parametrize("dim", [0, 1, -1])
 def test_scatter_gather_round_trip(dim):
@@ -323,6 +398,117 @@ def test_scatter_chunk_sizes_and_views():
     assert [c.shape[0] for c in chunks] == [2, 0, 8]
     assert all(torch.equal(c, t) for c, t in zip(chunks, x.split([2, 0, 8])))
     assert chunks[0].data_ptr() == x.data_ptr(), "a chunk already on its device is a view"
+
+
+@pytest.mark.parametrize("dim,sizes", [(0, [3, 0, 1, 5]), (1, [5, 0, 1, 3, 2]), (-1, [1, 7, 0, 3])])
+def test_scatter_into_out_odd_sizes(dim, sizes):
+    # The out tensors' sizes along dim are the chunk sizes (a 0-size chunk among them);
+    # the last out is a strided view inside a larger poisoned buffer whose margins must
+    # stay poisoned.
+    x = rand((9, 11), torch.float64)
+    shapes = []
+    for s in sizes:
+        shape = list(x.shape)
+        shape[dim] = s
+        shapes.append(shape)
+    out = [poisoned(*shape, dtype=torch.float64) for shape in shapes[:-1]]
+    backing = poisoned(shapes[-1][0] + 2, shapes[-1][1] + 3, dtype=torch.float64)
+    out.append(backing[1:-1, 2:-1])
+    assert not out[-1].is_contiguous()
+    x_before = snapshot([x])
+    res = comm.scatter(x, out=out, dim=dim)
+    assert type(res) is tuple and len(res) == len(out) and all(r is o for r, o in zip(res, out))
+    for i, (o, want) in enumerate(zip(out, x.split(sizes, dim))):
+        assert_close(o, want, tol=(0, 0), what=f"out[{i}] (size {sizes[i]} along dim {dim})")
+    margin = torch.ones_like(backing, dtype=torch.bool)
+    margin[1:-1, 2:-1] = False
+    assert backing[margin].isnan().all(), "scatter wrote outside out[-1]"
+    assert_unchanged([x], x_before, what="scattered tensor")
+
+
+def test_scatter_into_out_rejections_write_nothing():
+    x = rand((9, 7), torch.float64)
+    f64 = torch.float64
+
+    def outs(*shapes, dtypes=None):
+        return [poisoned(*s, dtype=(dtypes or {}).get(i, f64)) for i, s in enumerate(shapes)]
+
+    # In each case the offending out is the last one: nothing is written before every
+    # out has been checked.
+    cases = [
+        (outs((4, 7), (5, 6)), {}, ValueError,
+         r"out\[1\] must have tensor's shape \(9, 7\) except along dim 0 and dtype torch.float64, "
+         r"got shape \(5, 6\), torch.float64"),
+        (outs((4, 7), (35,)), {}, ValueError, r"out\[1\] must have tensor's shape \(9, 7\) .*got shape \(35,\)"),
+        (outs((9, 3), (8, 4)), {"dim": -1}, ValueError,
+         r"out\[1\] must have tensor's shape \(9, 7\) except along dim 1 .*got shape \(8, 4\)"),
+        (outs((4, 7), (0, 7), (4, 7)), {}, ValueError,
+         r"the sizes of out along dim 0 must sum to 9, got \[4, 0, 4\] \(sum 8\)"),
+        (outs((4, 7), (6, 7)), {}, ValueError, r"the sizes of out along dim 0 must sum to 9, got \[4, 6\] \(sum 10\)"),
+        (outs((9, 3), (9, 3)), {"dim": 1}, ValueError,
+         r"the sizes of out along dim 1 must sum to 7, got \[3, 3\] \(sum 6\)"),
+        (outs((4, 7), (5, 7)), {"chunk_sizes": [4, 5]}, RuntimeError,
+         r"'chunk_sizes' must not be specified when 'out' is specified"),
+        (outs((4, 7), (5, 7), dtypes={1: torch.float32}), {}, ValueError,
+         r"out\[1\] must have tensor's shape \(9, 7\) except along dim 0 and dtype torch.float64, "
+         r"got shape \(5, 7\), torch.float32"),
+        (outs((4, 7), (5, 7), dtypes={1: torch.int64}), {}, ValueError, r"out\[1\] .* got shape \(5, 7\), torch.int64"),
+        (outs((4, 7), (5, 7)), {"devices": ["cpu", "cpu"]}, RuntimeError,
+         "Exactly one of 'devices' and 'out' must be specified"),
+    ]
+    for out, kwargs, exc, match in cases:
+        watched = [*out, x]
+        before = snapshot(watched)
+        with pytest.raises(exc, match=match):
+            comm.scatter(x, out=out, **kwargs)
+        assert_unchanged(watched, before, what=match)
+    with pytest.raises(TypeError, match="out must be a non-empty list or tuple of tensors"):
+        comm.scatter(x, out=[])
+
+
+#: Dtypes for exact round trips beyond float32: 16-bit floats, float64 with full 53-bit
+#: mantissas, int64 beyond float32's (and int32's) range, bool.
+ROUND_TRIP_DTYPES = [torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.bool]
+
+
+def exact_values(shape, dtype, gen=None) -> torch.Tensor:
+    """Values that a cast through float32 (or a narrower integer) would change, and
+    that the float64 compare in assert_close still tells apart (|int64| < 2**52)."""
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    if dtype == torch.int64:
+        return torch.randint(-(2**52), 2**52, shape, generator=gen)
+    if dtype == torch.float64:
+        return torch.randn(shape, generator=gen, dtype=torch.float64) * 1e3
+    return rand(shape, dtype, gen=gen)
+
+
+def poison_like(x: torch.Tensor) -> torch.Tensor:
+    """A poisoned tensor like ``x``; for bool (no sentinel value), ``~x``."""
+    return ~x if x.dtype == torch.bool else poison_(torch.empty_like(x))
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1])
+@pytest.mark.parametrize("dtype", ROUND_TRIP_DTYPES, ids=str)
+def test_scatter_gather_round_trip_dtypes(backend, dtype, dim):
+    x = exact_values((7, 6), dtype)
+    for sizes in (None, [2, 0, x.size(dim) - 2]):
+        chunks = comm.scatter(x, ["cpu"] * 3, chunk_sizes=sizes, dim=dim)
+        want = x.chunk(3, dim) if sizes is None else x.split(sizes, dim)
+        assert len(chunks) == len(want)
+        for i, (c, w) in enumerate(zip(chunks, want)):
+            assert c.dtype == dtype, f"chunk {i} is {c.dtype}"
+            assert_close(c, w, tol=(0, 0), what=f"chunk {i} of {sizes or 'chunk(3)'}")
+        g = comm.gather(list(chunks), dim, "cpu")
+        assert g.dtype == dtype, f"gather returned {g.dtype}"
+        assert_close(g, x, tol=(0, 0), what=f"gather of {sizes or 'chunk(3)'}")
+        out = poison_like(x)
+        assert comm.gather(list(chunks), dim, out=out) is out
+        assert_close(out, x, tol=(0, 0), what=f"gather(out=) of {sizes or 'chunk(3)'}")
+        parts = [poison_like(w) for w in want]
+        assert all(r is p for r, p in zip(comm.scatter(x, dim=dim, out=parts), parts, strict=True))
+        for i, (p, w) in enumerate(zip(parts, want)):
+            assert_close(p, w, tol=(0, 0), what=f"scatter(out=)[{i}]")
 
 
 def test_scatter_default_is_tensor_chunk():

@@ -9,6 +9,7 @@ import typing
 
 import pytest
 import torch
+from conftest import assert_close
 from torch import nn
 from torch.func import functional_call
 
@@ -77,6 +78,50 @@ def test_training_equivalence(k):
         ref_opt.step()
     for (n, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
         torch.testing.assert_close(a, b, **TOL, msg=f"final {n}")
+
+
+class TimeMajor(nn.Module):
+    """A time-major model ((T, B, F) inputs, h0 of (layers, B, H)): its batch is dim 1,
+    what DataParallel(dim=1) is for. No cross-sample statistics: the parallel run equals
+    the run on the whole batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(4, 5, num_layers=2)
+        self.fc = nn.Linear(5, 3)
+
+    def forward(self, x, h0=None):
+        y, _ = self.rnn(x, h0)
+        return self.fc(y)
+
+
+@pytest.mark.parametrize("api", ["module", "functional"])
+@pytest.mark.parametrize("dim", [1, -2])
+@pytest.mark.parametrize("k", [2, 3])
+def test_dim_splits_and_gathers_along_that_dim(api, dim, k):
+    # torch.nn.DataParallel scatters inputs and kwargs with scatter_kwargs(..., dim=self.dim)
+    # and gathers with gather(..., dim=self.dim); data_parallel passes dim to both.
+    # 7 batch columns: uneven chunks on 2 and 3 devices.
+    torch.manual_seed(k)
+    model = TimeMajor().double()
+    ref = TimeMajor().double()
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(6, 7, 4, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(2, 7, 5, dtype=torch.float64, requires_grad=True)
+    x_ref, h0_ref = (t.detach().clone().requires_grad_() for t in (x, h0))
+    if api == "module":
+        out = DataParallel(model, device_ids=["cpu"] * k, dim=dim)(x, h0=h0)
+    else:
+        out = data_parallel(model, x, device_ids=["cpu"] * k, dim=dim, module_kwargs={"h0": h0})
+    ref_out = ref(x_ref, h0_ref)
+    assert_close(out, ref_out, what=f"{api} output, dim={dim}, {k} devices")
+    w = torch.randn(ref_out.shape, dtype=torch.float64)
+    (out * w).sum().backward()
+    (ref_out * w).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_close(p.grad, q.grad, what=f"{name}.grad")
+    assert_close(x.grad, x_ref.grad, what="x.grad")
+    assert_close(h0.grad, h0_ref.grad, what="h0.grad")
 
 
 def test_state_dict_keys_match_torch():
@@ -211,12 +256,16 @@ def test_scalar_outputs_gathered_with_warning():
         def forward(self, x):
             return (x * self.w).sum()
 
-    dp = DataParallel(S(), device_ids=["cpu", "cpu"])
+    dp = DataParallel(S().double(), device_ids=["cpu", "cpu"])
+    x = torch.randn(5, 2, dtype=torch.float64)  # uneven chunks (3 + 2 rows): order shows
     with pytest.warns(UserWarning, match="all input tensors were scalars"):
-        out = dp(torch.ones(4, 1))
-    assert torch.equal(out, torch.tensor([4.0, 4.0])), out  # each replica: 2 rows x 1 x 2.0
-    out.sum().backward()
-    assert dp.module.w.grad.item() == 4.0
+        out = dp(x)
+    w = dp.module.w.detach()
+    assert_close(out, torch.stack([(c * w).sum() for c in x.chunk(2)]), what="gathered scalars")
+    g = torch.randn(2, dtype=torch.float64)
+    out.backward(g)
+    # d/dw of sum_k g[k] * sum(chunk_k * w) is sum_k g[k] * sum(chunk_k).
+    assert_close(dp.module.w.grad, sum(gk * c.sum() for gk, c in zip(g, x.chunk(2))), what="w.grad")
 
 
 def test_no_grad_forward_uses_detached_replicas(monkeypatch):
@@ -343,7 +392,9 @@ def test_mismatched_kwargs_chunks_are_an_error_not_padding():
     # Four chunks of x but two of y: padding would run replicas 2 and 3 without y.
     with pytest.raises(ValueError, match="inputs split into 4 chunks along dim 0 but kwargs into 2"):
         dp(x, y=y)
-    torch.testing.assert_close(dp(x, y=torch.randn(4, 2)).shape, torch.Size([4, 2]))
+    x, y = x.double(), torch.randn(4, 2, dtype=torch.float64)
+    # Replica i gets row i of x and of y: x[i] + y[i].sum().
+    assert_close(dp(x, y=y), x + y.sum(1, keepdim=True), what="replica outputs with their own y rows")
 
 
 def test_small_batch_with_a_non_tensor_keyword_runs_on_fewer_replicas():

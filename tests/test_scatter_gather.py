@@ -6,7 +6,9 @@ import collections
 
 import pytest
 import torch
+from conftest import assert_close, rand
 
+import fastpar
 from fastpar.scatter_gather import gather, scatter, scatter_kwargs
 
 CPU2 = ["cpu", "cpu"]
@@ -43,3 +45,57 @@ def test_gather_rejects_sequences_of_different_lengths():
     Pair = collections.namedtuple("Pair", "x y")
     out = gather([Pair(a, [a]), Pair(b, [b])], "cpu")
     assert type(out) is Pair and torch.equal(out.x, torch.cat([a, b])) and torch.equal(out.y[0], out.x)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("dim", [1, -1, -2])
+def test_top_level_scatter_gather_along_dim_with_backward(k, dim):
+    # torch's scatter/gather chunk and concatenate along dim (negative dims wrap, as
+    # torch's comm does with maybe_wrap_dim); backward of each is the other along dim.
+    # Sizes 7 and 5 give uneven chunks (4+3, 3+3+1, 3+2, 2+2+1).
+    x = torch.randn(4, 7, 5, dtype=torch.float64, requires_grad=True)
+    chunks = fastpar.scatter(x, ["cpu"] * k, dim)
+    want = x.detach().chunk(k, dim)
+    assert len(chunks) == len(want)
+    for i, (c, w) in enumerate(zip(chunks, want)):
+        assert_close(c, w, what=f"chunk {i} along dim {dim}")
+    scales = [float(i + 2) for i in range(len(chunks))]  # each chunk scaled differently
+    y = fastpar.gather([c * s for c, s in zip(chunks, scales)], "cpu", dim=dim)
+    assert_close(y, torch.cat([w * s for w, s in zip(want, scales)], dim), what=f"gather along dim {dim}")
+    g = torch.randn(y.shape, dtype=torch.float64)
+    y.backward(g)
+    sizes = [w.size(dim) for w in want]
+    expected = torch.cat([p * s for p, s in zip(g.split(sizes, dim), scales)], dim)
+    assert_close(x.grad, expected, what=f"x.grad through scatter/gather along dim {dim}")
+
+
+def exact_values(shape, dtype) -> torch.Tensor:
+    """Values a cast through float32 (or a narrower integer) would change, and that the
+    float64 compare in assert_close still tells apart (|int64| < 2**52)."""
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape).bool()
+    if dtype == torch.int64:
+        return torch.randint(-(2**52), 2**52, shape)
+    if dtype == torch.float64:
+        return torch.randn(shape, dtype=torch.float64) * 1e3
+    return rand(shape, dtype)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.bool], ids=str)
+def test_top_level_scatter_gather_round_trip_dtypes(dtype, dim):
+    x = exact_values((7, 6), dtype)
+    nested = {"x": x, "pair": (x[:, :3], [x[:, 3:]])}
+    parts = fastpar.scatter(nested, ["cpu"] * 3, dim)
+    assert len(parts) == 3
+    for name, got_of, ref in [("x", lambda p: p["x"], x), ("pair[0]", lambda p: p["pair"][0], x[:, :3]),
+                              ("pair[1][0]", lambda p: p["pair"][1][0], x[:, 3:])]:
+        for i, (p, w) in enumerate(zip(parts, ref.chunk(3, dim))):
+            got = got_of(p)
+            assert got.dtype == dtype, f"{name} chunk {i} is {got.dtype}"
+            assert_close(got, w, tol=(0, 0), what=f"{name} chunk {i}")
+    back = fastpar.gather(parts, "cpu", dim=dim)
+    for name, got, ref in [("x", back["x"], x), ("pair[0]", back["pair"][0], x[:, :3]),
+                           ("pair[1][0]", back["pair"][1][0], x[:, 3:])]:
+        assert got.dtype == dtype, f"gathered {name} is {got.dtype}"
+        assert_close(got, ref, tol=(0, 0), what=f"gathered {name}")
