@@ -1,9 +1,25 @@
 """``python -m fastpar``: the subcommands exist and bad arguments fail cleanly."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from fastpar import _tuning
 from fastpar.__main__ import main
+
+
+@pytest.fixture(autouse=True)
+def _restore_results_dir():
+    """``bench --results-dir`` sets ``FASTPAR_RESULTS_DIR`` for the process and re-reads
+    the tuned files: undo both, so later tests see the real results folder again."""
+    before = os.environ.get("FASTPAR_RESULTS_DIR")
+    yield
+    if before is None:
+        os.environ.pop("FASTPAR_RESULTS_DIR", None)
+    else:
+        os.environ["FASTPAR_RESULTS_DIR"] = before
+    _tuning.reload()
 
 
 def test_help_lists_subcommands(capsys):
