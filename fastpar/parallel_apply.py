@@ -34,7 +34,8 @@ def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
         inputs (sequence): one positional-argument tuple (or single argument) per module.
         kwargs_tup (sequence of dict, optional): keyword arguments per module.
         devices (sequence, optional): the device of each module (CUDA or ``"cpu"``; a
-            None entry, or no sequence, means the device of its first tensor input).
+            None entry, or no sequence, means the device of its first tensor input, and
+            is an error when it has none, as in torch).
 
     Returns:
         list: each module's output, in order. An exception raised in any replica is
@@ -50,8 +51,16 @@ def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
     devices = [None] * len(modules) if devices is None else list(devices)
     if len(devices) != len(modules):
         raise ValueError(f"devices must have one entry per module ({len(modules)}), got {len(devices)}")
-    # A None entry (as torch allows) is the device of that replica's first tensor input.
-    devices = [(_device_of(x) or torch.device("cpu")) if d is None else comm._device(d, f"devices[{i}]")
+    # A None entry (as torch allows) is the device of that replica's first tensor input;
+    # with no tensor input either, torch cannot resolve it and neither can we (running
+    # it on the current device could put a CUDA replica on the wrong GPU).
+    for i, (d, x) in enumerate(zip(devices, inputs)):
+        if d is None and _device_of(x) is None:
+            raise ValueError(
+                f"devices[{i}] is None and inputs[{i}] holds no tensor: the device of replica {i} "
+                "cannot be resolved; pass it in devices"
+            )
+    devices = [_device_of(x) if d is None else comm._device(d, f"devices[{i}]")
                for i, (d, x) in enumerate(zip(devices, inputs))]
     streams = [torch.cuda.current_stream(d) if d.type == "cuda" else None for d in devices]
     lock = threading.Lock()

@@ -17,6 +17,22 @@ def test_none_devices_take_the_inputs_device():
             torch.testing.assert_close(o, m(x), rtol=0, atol=0)
 
 
+def test_none_device_without_a_tensor_input_is_an_error_as_in_torch():
+    calls = []
+
+    class Rec(nn.Module):
+        def forward(self, **kw):
+            calls.append(kw)
+            return kw["x"]
+
+    x = torch.randn(2)
+    with pytest.raises(ValueError, match=r"devices\[1\] is None and inputs\[1\] holds no tensor"):
+        parallel_apply([Rec(), Rec()], [(), ()], [{"x": x}, {"x": x}], ["cpu", None])
+    assert calls == [], "no replica may run when one cannot be placed"
+    outs = parallel_apply([Rec(), Rec()], [(), ()], [{"x": x}, {"x": x}], ["cpu", "cpu"])
+    assert all(o is x for o in outs)
+
+
 def test_length_mismatches_name_the_argument():
     mods = [nn.Identity(), nn.Identity()]
     x = torch.randn(2)
