@@ -623,6 +623,10 @@ def scatter(tensor, devices=None, chunk_sizes=None, dim=0, streams=None, *, out=
         if len(streams) < len(devs):
             raise ValueError(f"streams must have one entry per device ({len(devs)}), got {len(streams)}")
         streams = streams[: len(devs)]  # a short dim leaves some devices without a chunk
+        for i, (s, d) in enumerate(zip(streams, devs)):
+            if s is not None and d.type == "cuda" and s.device != d:
+                # As torch's scatter: a stream of another device would order nothing here.
+                raise ValueError(f"streams[{i}] is a stream of {s.device}, but devices[{i}] is {d}")
     result = []
     for i, (chunk, d) in enumerate(zip(chunks, devs)):
         if chunk.device == d:

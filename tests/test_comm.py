@@ -252,6 +252,15 @@ def test_scatter_more_streams_than_chunks():
     assert len(chunks) == 1 and torch.equal(chunks[0], x)
 
 
+def test_scatter_stream_of_another_device_is_refused_before_copying():
+    # A stand-in stream object (no CUDA here): only its device is read before the check.
+    class FakeStream:
+        device = torch.device("cuda", 1)
+
+    with pytest.raises(ValueError, match=r"streams\[0\] is a stream of cuda:1, but devices\[0\] is cuda:0"):
+        comm.scatter(torch.randn(4, 3), ["cuda:0", "cuda:1"], None, 0, [FakeStream(), None])
+
+
 def test_host_path_logged(caplog):
     with caplog.at_level(logging.DEBUG, logger="fastpar.comm"):
         comm.reduce_add_coalesced([[torch.ones(2)], [torch.ones(2)]], "cpu")
