@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ._fastcheck import metadata_snapshot, same_tensors
+from ._validate import no_memory_error
 
 _T = torch.Tensor
 _get_device = operator.attrgetter("device")
@@ -326,13 +327,19 @@ class Plan(_Numel):
         return result
 
 
-def _build(tup: tuple, cache: bool = True) -> Plan:
+def _build(tup: tuple, cache: bool = True, name: str = "tensors") -> Plan:
     n = len(tup)
     device = tup[0].device
     dtypes = list(map(_get_dtype, tup))
     numels = np.fromiter(map(_T.numel, tup), np.int64, n)
     ptrs = list(map(_T.data_ptr, tup))
     addrs = np.array(ptrs, dtype=np.int64)
+    if device.type != "meta":
+        null = np.nonzero((addrs == 0) & (numels > 0))[0]
+        if len(null):
+            i = int(null[0])
+            # A kernel would read or write through address 0 (a segfault on CPU).
+            raise no_memory_error(tup[i], f"{name}[{i}]")
     # A conjugate or negative bit (t.conj(), torch._neg_view) is a lazy view: its bits
     # are not its values, so such tensors are staged like non-contiguous ones, through a
     # resolved copy.
@@ -389,7 +396,7 @@ class _PlanCache:
 
     def get(self, tensors, name: str, cache: bool) -> Plan:
         if not cache or self.size <= 0:
-            return _build(check_tensor_list(tensors, name), cache=False)
+            return _build(check_tensor_list(tensors, name), cache=False, name=name)
         # Fast path: the very tensor objects of a cached plan (so already validated:
         # their type, layout and device cannot change without their data pointer
         # changing too), each still at the same address.
@@ -405,7 +412,7 @@ class _PlanCache:
                 return plan
         tup = check_tensor_list(tensors, name)
         key = (len(tup), id(tup[0]), id(tup[-1]))
-        plan = _build(tup)
+        plan = _build(tup, name=name)
         with self._lock:
             self.misses += 1
             self._evict_orphans()

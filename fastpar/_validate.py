@@ -73,9 +73,39 @@ def check_flat(t, name: str, *, numel: int, dtype: torch.dtype | None, device: t
             f"{name} must have exactly {numel} elements (the total of the tensors), got {t.numel()} "
             f"({'too small' if t.numel() < numel else 'too large'})"
         )
+    check_memory(t, name)
     if written and t.is_inference() and not torch.is_inference_mode_enabled():
         raise RuntimeError(f"{name} is an inference tensor; it can only be written inside torch.inference_mode()")
     return t
+
+
+def no_memory_error(t: torch.Tensor, name: str) -> Exception:
+    """The error for a tensor with elements but data pointer 0: a wrapper subclass
+    (``TypeError``) or a storage freed with ``resize_(0)`` (``ValueError``)."""
+    if type(t) in (torch.Tensor, torch.nn.Parameter):
+        return ValueError(f"{name} has no memory to address: its storage was freed (resize_(0), as FSDP does)")
+    return TypeError(
+        f"{name} is a {type(t).__name__} with no memory of its own to address (data pointer 0); "
+        "fastpar takes plain tensors: pass the local/inner tensor (e.g. DTensor.to_local())"
+    )
+
+
+def check_memory(t: torch.Tensor, name: str) -> None:
+    """Raise unless the memory a kernel would address through ``t`` exists: a wrapper
+    subclass (DTensor, FakeTensor) or a storage freed with ``resize_(0)`` (as FSDP does)
+    reports data pointer 0, and a storage shrunk below the tensor's extent would be
+    written past its end. Meta tensors have no memory and are never addressed."""
+    if t.numel() == 0 or t.device.type == "meta":
+        return
+    if t.data_ptr() == 0:
+        raise no_memory_error(t, name)
+    extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))  # elements spanned
+    need = (t.storage_offset() + extent) * t.element_size()
+    have = t.untyped_storage().nbytes()
+    if have < need:
+        raise ValueError(
+            f"{name} reaches byte {need} of its storage, which holds {have} bytes (resized smaller?)"
+        )
 
 
 def check_no_overlap(plan, t: torch.Tensor, name: str, tensors_name: str) -> None:

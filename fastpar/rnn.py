@@ -29,7 +29,7 @@ from torch.autograd.graph import increment_version
 from . import _alloc, _dispatch, _tuning
 from ._flatten import _staged_groups
 from ._plan import Group, plan_for
-from ._validate import check_conversion
+from ._validate import check_conversion, check_memory
 
 __all__ = ["RNNLayout", "flatten_parameters", "is_flat", "pack"]
 
@@ -368,6 +368,7 @@ def _check_out(t, layout: RNNLayout, name: str) -> None:
             f"{name} must start at storage offset 0 (cuDNN reads the buffer from there), "
             f"got storage offset {t.storage_offset()}"
         )
+    check_memory(t, name)
 
 
 # --- packing ----------------------------------------------------------------------------

@@ -362,6 +362,45 @@ def test_groups_made_for_one_call_are_transient():
     assert table.tolist()[3:6] == [3, 20, 2]  # addrs | numels | ...
 
 
+def _freed(t):
+    t.untyped_storage().resize_(0)  # what FSDP does to a sharded parameter's full storage
+    return t
+
+
+@pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor:UserWarning")
+def test_tensors_without_memory_are_refused_not_dereferenced():
+    # Data pointer 0 with elements: a kernel would read or write address 0 (a segfault).
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    ts = [torch.randn(5), torch.randn(3)]
+    out = poison_(torch.empty(8))
+    with pytest.raises(ValueError, match=r"tensors\[1\] has no memory to address: its storage was freed"):
+        fastpar.flatten([torch.randn(2), _freed(torch.randn(4))])
+    with pytest.raises(TypeError, match=r"tensors\[0\] is a TwoTensor with no memory of its own"):
+        fastpar.flatten([TwoTensor(torch.randn(3), torch.randn(3))])
+    with FakeTensorMode():
+        fake = torch.randn(3)
+    with pytest.raises(TypeError, match=r"tensors\[0\] is a FakeTensor with no memory of its own"):
+        fastpar.flatten([fake])
+    with pytest.raises(ValueError, match="out has no memory to address"):
+        fastpar.flatten(ts, out=_freed(torch.empty(8)))
+    with pytest.raises(TypeError, match="out is a TwoTensor"):
+        fastpar.flatten(ts, out=TwoTensor(torch.empty(8), torch.empty(8)))
+    shrunk = torch.empty(8)
+    shrunk.untyped_storage().resize_(16)
+    with pytest.raises(ValueError, match="out reaches byte 32 of its storage, which holds 16 bytes"):
+        fastpar.flatten(ts, out=shrunk)
+    with pytest.raises(ValueError, match="flat has no memory to address"):
+        fastpar.unflatten_into(_freed(torch.empty(8)), [out[:5], out[5:]])
+    assert out.isnan().all()
+    # A cached plan's tensor freed afterwards: the cache re-check sees it, the rebuild refuses it.
+    fastpar.flatten(ts, out=out)
+    _freed(ts[1])
+    with pytest.raises(ValueError, match=r"tensors\[1\] has no memory to address"):
+        fastpar.flatten(ts, out=out)
+
+
 def test_meta_tensors_have_no_memory_to_overlap():
     # Meta tensors all report data pointer 0; shape checks still apply, overlap ones
     # must not fire (torch.cat(out=) and Tensor.copy_ accept the same calls).
