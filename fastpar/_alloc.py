@@ -72,6 +72,32 @@ def use_count(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
+class IdleBuffer:
+    """A buffer kept for reuse, and the test of whether anything else still refers to it.
+
+    The storage's use count sees tensors, views and numpy arrays over it, but not a
+    second reference to its Python storage object: torch keeps one such object per
+    storage, so a user's ``t.untyped_storage()`` (or a ``TypedStorage`` over it) is the
+    very object the count itself goes through. So the slot holds that object and also
+    compares its Python reference count, its size (``resize_`` in place) and whether it
+    was moved to shared memory (a result sent to another process: torch keeps only a weak
+    reference on the sending side, the receiver maps the same memory)."""
+
+    __slots__ = ("buf", "storage", "nbytes", "uses", "refs")
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+        self.storage = buf.untyped_storage()
+        self.nbytes = self.storage.nbytes()
+        self.uses = use_count(buf)
+        self.refs = sys.getrefcount(self.storage)
+
+    def idle(self) -> bool:
+        """True when nothing but this slot refers to the buffer, and it is intact."""
+        return (use_count(self.buf) == self.uses and sys.getrefcount(self.storage) == self.refs
+                and self.storage.nbytes() == self.nbytes and not self.storage.is_shared())
+
+
 class ResultCache:
     """Host result buffers handed out again once nothing refers to them, as DDP keeps
     its bucket buffers and torch's CUDA caching allocator keeps blocks.
@@ -116,16 +142,21 @@ class ResultCache:
         with self._lock:
             slots = self._slots.pop(key, [])
             self._slots[key] = slots  # most recently used last
-            for buf, idle in slots:
-                if use_count(buf) == idle:
-                    return buf.view(-1), True
+            for slot in slots:
+                if slot.idle():
+                    return slot.buf.view(-1), True
+            # A slot whose buffer was resized or shared is never idle again: replace it.
+            dead = [sl for sl in slots if sl.storage.nbytes() != sl.nbytes or sl.storage.is_shared()]
+            for sl in dead:
+                slots.remove(sl)
+                self._bytes -= nbytes
             buf = empty(numel, dtype=dtype, device=device)
             if len(slots) < self.per_key:
-                slots.append((buf, use_count(buf)))
+                slots.append(IdleBuffer(buf))
                 self._bytes += nbytes
                 while self._bytes > self.max_bytes:
                     old_key = next(iter(self._slots))
-                    self._bytes -= sum(b.numel() * b.element_size() for b, _ in self._slots.pop(old_key))
+                    self._bytes -= sum(sl.buf.numel() * sl.buf.element_size() for sl in self._slots.pop(old_key))
             return buf.view(-1), False
 
     def clear(self) -> None:

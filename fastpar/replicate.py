@@ -13,6 +13,7 @@ never overwritten (a new one is allocated instead).
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import OrderedDict
 
@@ -20,7 +21,6 @@ import torch
 from torch.nn.parallel.replicate import _replicatable_module
 
 from . import _alloc, comm, rnn
-from ._alloc import use_count
 from ._flatten import byte_layout, byte_views, pack_bytes
 from ._functions import Broadcast
 from ._plan import plan_for
@@ -33,20 +33,25 @@ class _BufferPool:
 
     def __init__(self) -> None:
         self._slots: dict = {}
+        self._lock = threading.Lock()
         self.allocations = 0
 
     def get(self, key, nbytes: int, device: torch.device) -> torch.Tensor:
-        slot = self._slots.get(key)
-        if slot is not None:
-            buf, idle_count = slot
+        """A uint8 buffer of ``nbytes`` on ``device``: the one kept under ``key`` when
+        nothing else refers to it (:class:`fastpar._alloc.IdleBuffer`), else a new one.
+
+        Returned as a new view made under the lock: it counts as a use at once, so two
+        threads replicating the same module never get the same buffer."""
+        with self._lock:
+            slot = self._slots.get(key)
             # Every view (a replica's parameter, a tensor saved for backward) holds a
             # reference to the storage: at the count it had when new, none is left.
-            if buf.numel() == nbytes and buf.device == device and use_count(buf) == idle_count:
-                return buf
-        buf = _alloc.empty(nbytes, dtype=torch.uint8, device=device)
-        self._slots[key] = (buf, use_count(buf))
-        self.allocations += 1
-        return buf
+            if slot is not None and slot.buf.numel() == nbytes and slot.buf.device == device and slot.idle():
+                return slot.buf.view(-1)
+            buf = _alloc.empty(nbytes, dtype=torch.uint8, device=device)
+            self._slots[key] = _alloc.IdleBuffer(buf)
+            self.allocations += 1
+            return buf.view(-1)
 
 
 #: One pool per replicated network (dropped with it).

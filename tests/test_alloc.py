@@ -94,6 +94,53 @@ def test_result_cache_never_hands_out_a_buffer_in_use():
     assert all(bool((t == 1.0).all()) for t in held), "a live result's memory was handed out again"
 
 
+def _held_storage(t):
+    return t.untyped_storage()  # the Python storage object alone, no tensor
+
+
+def _held_typed_storage(t):
+    return t.storage()  # a TypedStorage over it (warns: deprecated)
+
+
+def _shared(t):
+    t.share_memory_()  # what sending it to another process does, in place
+    return None
+
+
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated:UserWarning")
+@pytest.mark.parametrize("hold", [_held_storage, _held_typed_storage, _shared],
+                         ids=["untyped storage", "typed storage", "moved to shared memory"])
+def test_result_cache_sees_references_the_use_count_does_not(hold):
+    # torch keeps one Python storage object per storage, and the use count goes through
+    # that very object: holding it (or a TypedStorage over it) does not raise the count.
+    cache = _alloc.ResultCache(max_bytes=1 << 30)
+    a, _ = cache.empty(N, torch.float32, "cpu")
+    a.fill_(2.0)
+    ptr = _storage_ptr(a)
+    kept = hold(a)
+    del a
+    b, reused = cache.empty(N, torch.float32, "cpu")
+    b.fill_(5.0)
+    assert not reused and _storage_ptr(b) != ptr, "a buffer still referenced was handed out again"
+    if kept is not None:
+        assert torch.frombuffer(bytes(kept.untyped() if hasattr(kept, "untyped") else kept)[:8],
+                                dtype=torch.float32).tolist() == [2.0, 2.0]
+
+
+def test_result_cache_replaces_a_resized_buffer():
+    cache = _alloc.ResultCache(max_bytes=1 << 30, per_key=1)
+    a, _ = cache.empty(N, torch.float32, "cpu")
+    a.untyped_storage().resize_(0)
+    del a
+    b, reused = cache.empty(N, torch.float32, "cpu")
+    assert not reused and b.untyped_storage().nbytes() == N * 4
+    ptr = _storage_ptr(b)
+    b.fill_(1.0)
+    del b
+    c, reused = cache.empty(N, torch.float32, "cpu")  # the dead slot was replaced by b's
+    assert reused and _storage_ptr(c) == ptr
+
+
 def test_result_cache_keys_on_dtype_and_size_and_keeps_small_or_other_devices_out():
     cache = _alloc.ResultCache(max_bytes=1 << 30)
     a, _ = cache.empty(N, torch.float32, "cpu")

@@ -152,6 +152,53 @@ def test_buffers_are_reused_and_never_overwritten_while_referenced():
     assert pool.allocations == before, "steady state allocates nothing"
 
 
+def test_replica_buffers_held_through_their_storage_object_are_not_refilled():
+    # A replica's weight kept only as its Python storage object (no tensor): the use count
+    # does not see it, the pool must.
+    net = small_net()
+    reps = replicate(net, ["cpu", "cpu"], detach=True)
+    w = reps[1][0].weight
+    st, off, n = w.untyped_storage(), w.storage_offset(), w.numel()
+    before = w.detach().clone().reshape(-1)
+    del reps, w
+    gc.collect()
+    with torch.no_grad():
+        net[0].weight.add_(1.0)
+    new = replicate(net, ["cpu", "cpu"], detach=True)
+    kept = torch.empty(0).set_(st, off, (n,))
+    assert torch.equal(kept, before), "a buffer still referenced through its storage object was refilled"
+    assert torch.equal(new[1][0].weight, net[0].weight)
+
+
+def test_concurrent_replicates_never_share_a_buffer():
+    import threading
+    import sys
+
+    net = small_net()
+    replicate(net, ["cpu", "cpu"], detach=True)  # the pool's buffers exist and are free
+    gc.collect()
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible inside get()
+    try:
+        for _ in range(20):
+            got = [None, None]
+
+            def run(i):
+                got[i] = replicate(net, ["cpu", "cpu"], detach=True)
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            a, b = (g[1][0].weight for g in got)
+            assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr(), "two replicas share a buffer"
+            del got, a, b
+            gc.collect()
+    finally:
+        sys.setswitchinterval(old)
+
+
 def test_buffers_requiring_grad_are_differentiable():
     class M(nn.Module):
         def __init__(self):
