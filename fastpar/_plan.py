@@ -423,9 +423,15 @@ class _PlanCache:
         return plan
 
     def _evict_orphans(self) -> None:
-        # Drop plans whose first tensor nothing but the cache refers to any more (a
-        # previous step's gradients, say), so the cache does not keep them alive.
-        for k in [k for k, p in self._plans.items() if sys.getrefcount(p.tensors[0]) - 1 <= p.internal_refs]:
+        # Drop plans whose first or last tensor nothing but the cache refers to any more
+        # (a previous step's gradients, say): a list holding that very object can never
+        # be passed again, and the plan would keep the rest alive. Both ends, as both are
+        # in the key: lists often start with a persistent tensor and end with new ones.
+        def orphan(p) -> bool:
+            return (sys.getrefcount(p.tensors[0]) - 1 <= p.internal_refs
+                    or sys.getrefcount(p.tensors[-1]) - 1 <= p.internal_refs)
+
+        for k in [k for k, p in self._plans.items() if orphan(p)]:
             del self._plans[k]
 
     def clear(self) -> None:

@@ -263,6 +263,29 @@ def test_empty_total_launches_nothing(backend):
     assert out.shape == (0,) and n.total == 0
 
 
+def test_plan_cache_does_not_keep_a_steps_tensors_alive():
+    # Lists that start with a persistent tensor and end with new ones every step (or the
+    # other way round): once a step's tensors are gone from the caller, no cached plan
+    # may keep them alive (the next call evicts it).
+    import gc
+    import weakref
+
+    from fastpar import _plan
+
+    keep = torch.randn(10)
+    for persistent_first in (True, False):
+        _plan.clear_plan_cache()
+        refs = []
+        for _ in range(10):
+            step = torch.randn(1000)
+            refs.append(weakref.ref(step))
+            fastpar.flatten([keep, step] if persistent_first else [step, keep])
+            del step
+        gc.collect()
+        alive = sum(r() is not None for r in refs)
+        assert alive <= 1, f"{alive} of 10 steps' tensors kept alive (persistent first: {persistent_first})"
+
+
 def test_plan_cache_sees_replaced_storage():
     ts = [torch.randn(5), torch.randn(3)]
     fastpar.flatten(ts)
@@ -360,6 +383,40 @@ def test_groups_made_for_one_call_are_transient():
     assert len(pending) == 1 and staged[0].transient and staged[0].local().transient
     table = staged[0].device_table(4, torch.device("cpu"))
     assert table.tolist()[3:6] == [3, 20, 2]  # addrs | numels | ...
+
+
+def test_parallel_kernels_from_two_threads_under_numbas_workqueue_layer():
+    # Numba's workqueue threading layer (used where neither TBB nor GNU OpenMP is
+    # installed) aborts the process when two threads enter parallel regions at once.
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import threading, warnings
+        warnings.filterwarnings("ignore")
+        import numba, torch, fastpar
+        src = [torch.randn(1 << 20) for _ in range(4)]  # 16 MiB: the parallel path
+        ref = torch.cat(src)
+        assert torch.equal(fastpar.flatten(src), ref)
+        assert numba.threading_layer() == "workqueue", numba.threading_layer()
+        bar, bad = threading.Barrier(2), []
+        def work():
+            bar.wait()
+            for _ in range(20):
+                out = fastpar.flatten(src)
+                if not torch.equal(out, ref):
+                    bad.append(1)
+        threads = [threading.Thread(target=work) for _ in range(2)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        print("ok", len(bad))
+    """)
+    import os
+
+    env = dict(os.environ, NUMBA_THREADING_LAYER="workqueue", NUMBA_NUM_THREADS="2")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok 0"), f"rc {r.returncode}:\n{r.stdout}\n{r.stderr[-2000:]}"
 
 
 def _freed(t):

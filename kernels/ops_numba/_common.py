@@ -10,8 +10,10 @@ for bit.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
+import threading
 
 import numba
 import numpy as np
@@ -255,6 +257,20 @@ else:
 # Parallel regions and fork.
 
 _PID = os.getpid()
+
+
+#: Held while a parallel kernel runs. Numba's ``workqueue`` threading layer (what it
+#: uses where neither TBB nor GNU OpenMP is installed) aborts the process when two
+#: threads enter parallel regions at once ("Concurrent access has been detected"), and
+#: user threads, DDP's gloo callback thread and the autograd thread may all launch. The
+#: kernels are memory-bound and each already uses every core: serialising them costs
+#: little. Serial launches (small calls) need no lock.
+PARALLEL_LOCK = threading.Lock()
+
+
+def launch_lock(parallel: bool):
+    """``PARALLEL_LOCK`` for a parallel launch, else a no-op context."""
+    return PARALLEL_LOCK if parallel else contextlib.nullcontext()
 
 
 def parallel_ok() -> bool:

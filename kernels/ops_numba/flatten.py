@@ -109,8 +109,11 @@ def bind_copy(group, flat: torch.Tensor, scale, to_flat: bool, *, chunk: int = D
     record = _launch.launches.record
     op = "flatten" if to_flat else "unflatten_into"
 
+    lock = C.launch_lock(parallel)
+
     def run() -> None:
-        kernel(*args)
+        with lock:
+            kernel(*args)
         record("numba", op)
 
     return run
@@ -199,9 +202,10 @@ def broadcast(group, outs: list, *, chunk: int = DEFAULT_CHUNK,
                 f"elements, got {o.dtype} on {o.device}, shape {tuple(o.shape)}, strides {o.stride()}"
             )
     parallel = group.numel * itemsize * (1 + len(outs)) >= parallel_min_bytes and C.parallel_ok()
-    _broadcast_kernel_for(parallel)(
-        group.addrs, group.numels, group.offsets, block_tensor, block_start, chunk,
-        np.array([o.data_ptr() for o in outs], dtype=np.int64), itemsize,
-        group.numel * itemsize * len(outs) >= stream_min_bytes,
-    )
+    with C.launch_lock(parallel):
+        _broadcast_kernel_for(parallel)(
+            group.addrs, group.numels, group.offsets, block_tensor, block_start, chunk,
+            np.array([o.data_ptr() for o in outs], dtype=np.int64), itemsize,
+            group.numel * itemsize * len(outs) >= stream_min_bytes,
+        )
     _launch.launches.record("numba", "broadcast")

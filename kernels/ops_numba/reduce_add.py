@@ -121,8 +121,9 @@ def reduce_add(group, *, chunk: int = DEFAULT_CHUNK, parallel_min_bytes: int = D
               and group.numel * group.dtype.itemsize >= stream_min_bytes)
     threads = numba.get_num_threads() if parallel else 1
     scratch = np.empty((threads, chunk), _ACCUMULATOR[group.dtype])
-    _reduce_kernel_for(kind, parallel, stream)(
-        group.src_addrs, group.dst_addrs, group.numels, block_tensor, block_start, scratch,
-        np.empty(0, storage),
-    )
+    with C.launch_lock(parallel):
+        _reduce_kernel_for(kind, parallel, stream)(
+            group.src_addrs, group.dst_addrs, group.numels, block_tensor, block_start, scratch,
+            np.empty(0, storage),
+        )
     _launch.launches.record("numba", "reduce_add")

@@ -89,8 +89,11 @@ def bind(group, factor: float, divide: bool, *, chunk: int = DEFAULT_CHUNK,
             C.compute_scale(group.dtype, group.dtype, factor), np.empty(0, storage))
     record = _launch.launches.record
 
+    lock = C.launch_lock(parallel)
+
     def run() -> None:
-        kernel(*args)
+        with lock:
+            kernel(*args)
         record("numba", "scale")
 
     return run
