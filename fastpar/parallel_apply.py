@@ -7,23 +7,11 @@ import threading
 
 import torch
 from torch._utils import ExceptionWrapper
+from torch.nn.parallel.parallel_apply import get_a_var
 
 from . import comm
 
 __all__ = ["parallel_apply"]
-
-
-def _device_of(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.device
-    if isinstance(obj, (list, tuple)):
-        for o in obj:
-            d = _device_of(o)
-            if d is not None:
-                return d
-    if isinstance(obj, dict):
-        return _device_of(list(obj.values()))
-    return None
 
 
 def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
@@ -51,17 +39,21 @@ def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
     devices = [None] * len(modules) if devices is None else list(devices)
     if len(devices) != len(modules):
         raise ValueError(f"devices must have one entry per module ({len(modules)}), got {len(devices)}")
-    # A None entry (as torch allows) is the device of that replica's first tensor input;
-    # with no tensor input either, torch cannot resolve it and neither can we (running
-    # it on the current device could put a CUDA replica on the wrong GPU).
+    # A None entry (as torch allows) is the device of that replica's first tensor input
+    # (torch's get_a_var finds it); with no tensor input either, torch cannot resolve it
+    # and neither can we (running it on the current device could put a CUDA replica on
+    # the wrong GPU).
     for i, (d, x) in enumerate(zip(devices, inputs)):
-        if d is None and _device_of(x) is None:
-            raise ValueError(
-                f"devices[{i}] is None and inputs[{i}] holds no tensor: the device of replica {i} "
-                "cannot be resolved; pass it in devices"
-            )
-    devices = [_device_of(x) if d is None else comm._device(d, f"devices[{i}]")
-               for i, (d, x) in enumerate(zip(devices, inputs))]
+        if d is None:
+            t = get_a_var(x)
+            if t is None:
+                raise ValueError(
+                    f"devices[{i}] is None and inputs[{i}] holds no tensor: the device of replica {i} "
+                    "cannot be resolved; pass it in devices"
+                )
+            devices[i] = t.device
+        else:
+            devices[i] = comm._device(d, f"devices[{i}]")
     streams = [torch.cuda.current_stream(d) if d.type == "cuda" else None for d in devices]
     lock = threading.Lock()
     results = {}

@@ -4,6 +4,7 @@ Gather autograd functions (which also take ``"cpu"`` replica devices)."""
 from __future__ import annotations
 
 import torch
+from torch.nn.parallel.parallel_apply import get_a_var
 
 from . import comm
 from ._functions import Gather, Scatter
@@ -13,16 +14,6 @@ __all__ = ["gather", "scatter", "scatter_kwargs"]
 
 def _is_namedtuple(obj) -> bool:
     return isinstance(obj, tuple) and hasattr(obj, "_asdict") and hasattr(obj, "_fields")
-
-
-def _has_tensor(obj) -> bool:
-    if isinstance(obj, torch.Tensor):
-        return True
-    if isinstance(obj, (list, tuple)):
-        return any(map(_has_tensor, obj))
-    if isinstance(obj, dict):
-        return any(map(_has_tensor, obj.values()))
-    return False
 
 
 def scatter(inputs, target_gpus, dim=0):
@@ -73,7 +64,7 @@ def scatter_kwargs(inputs, kwargs, target_gpus, dim=0):
         # are dropped; extra chunks holding tensors mean the batches differ.
         n = min(len(scattered_inputs), len(scattered_kwargs))
         longer = scattered_inputs if len(scattered_inputs) > n else scattered_kwargs
-        if any(_has_tensor(c) for c in longer[n:]):
+        if any(get_a_var(c) is not None for c in longer[n:]):
             raise ValueError(
                 f"inputs split into {len(scattered_inputs)} chunks along dim {dim} but kwargs into "
                 f"{len(scattered_kwargs)}; the tensor arguments must have the same size along that dim "
