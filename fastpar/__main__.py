@@ -58,7 +58,6 @@ def writable_or_exit(folder, flag: str = "--results-dir") -> int | None:
     printing why) when it fails, else None."""
     import os
     import tempfile
-    from pathlib import Path
 
     folder = Path(folder)
     created = [p for p in (folder, *folder.parents) if not p.exists()]

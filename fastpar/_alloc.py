@@ -92,10 +92,14 @@ class IdleBuffer:
         self.uses = use_count(buf)
         self.refs = sys.getrefcount(self.storage)
 
+    def intact(self) -> bool:
+        """False once the storage was resized or moved to shared memory: never idle again."""
+        return self.storage.nbytes() == self.nbytes and not self.storage.is_shared()
+
     def idle(self) -> bool:
         """True when nothing but this slot refers to the buffer, and it is intact."""
         return (use_count(self.buf) == self.uses and sys.getrefcount(self.storage) == self.refs
-                and self.storage.nbytes() == self.nbytes and not self.storage.is_shared())
+                and self.intact())
 
 
 class ResultCache:
@@ -146,7 +150,7 @@ class ResultCache:
                 if slot.idle():
                     return slot.buf.view(-1), True
             # A slot whose buffer was resized or shared is never idle again: replace it.
-            dead = [sl for sl in slots if sl.storage.nbytes() != sl.nbytes or sl.storage.is_shared()]
+            dead = [sl for sl in slots if not sl.intact()]
             for sl in dead:
                 slots.remove(sl)
                 self._bytes -= nbytes

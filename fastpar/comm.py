@@ -28,7 +28,6 @@ and returned by :func:`reduce_path`:
 from __future__ import annotations
 
 import functools
-
 import logging
 import warnings
 import weakref
@@ -250,8 +249,7 @@ def reduce_add(inputs, destination=None):
         accumulated in float32 and rounded once; sparse COO inputs give a sparse sum, or a
         dense one when a dense input is among them).
     """
-    if isinstance(inputs, (list, tuple)) and any(
-            isinstance(t, torch.Tensor) and t.layout == torch.sparse_coo for t in inputs):
+    if isinstance(inputs, (list, tuple)) and _has_sparse([inputs]):
         # As torch's (without NCCL): sparse COO inputs give a sparse sum, and with a
         # dense one among them, a dense sum.
         [result] = reduce_add_coalesced([[t] for t in inputs], destination)
