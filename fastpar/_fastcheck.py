@@ -7,7 +7,8 @@ shrinking ``resize_()``, ``as_strided_()``, ``p.data = p.data[:n]``), which woul
 otherwise make a stale plan copy the wrong elements. One Numba pass over the list's
 items does it all, about 7 ns a tensor when their metadata is in cache (35 ns when it
 is not), reading each tensor's ``TensorImpl`` fields (ndim, inline sizes and strides,
-numel, dtype, storage and storage offset) and its ``StorageImpl``'s data pointer at
+numel, dtype, storage, storage offset and dispatch key set, whose conj/neg bits
+``a.data = a.conj()`` flips in place) and its ``StorageImpl``'s data pointer at
 offsets found by calibrating against probe tensors at first use and verified by mutating
 them; where that calibration fails, or a tensor has more than 5 dimensions (sizes out
 of line), dynamo's C++ ``TensorGuards`` does the metadata check instead (about 80 ns a
@@ -134,6 +135,27 @@ def _calibrate_storage():
     if len(s) != 1 or len(o) != 1 or len(sd) != 1:
         return None
     return s[0], o[0], sd[0]
+
+
+def _calibrate_keyset(d: int):
+    """Offset (in int64 words) of a ``TensorImpl``'s dispatch key set, past the dtype word
+    ``d``: the same for plain float tensors of any shape and layout, different for a
+    conjugate view and a negative view (the lazy ``conj()`` / ``neg`` bits, which
+    ``a.data = a.conj()`` sets in place without touching anything else the check reads);
+    None unless unambiguous and confirmed by setting a conjugate bit in place."""
+    plain = [torch.empty(3), torch.empty(5, 7), torch.empty(4, 4).t(), torch.empty(9)[::2]]
+    z = torch.zeros(3, dtype=torch.complex64)
+    pairs = [(z, z.conj()), (plain[0], torch._neg_view(plain[0]))]
+    words = [_words(t._cdata, _WORDS) for t in plain]
+    pw = [(_words(a._cdata, _WORDS), _words(b._cdata, _WORDS)) for a, b in pairs]
+    cand = [j for j in range(d + 1, _WORDS)
+            if len({int(w[j]) for w in words}) == 1 and all(wa[j] != wb[j] for wa, wb in pw)]
+    if len(cand) != 1:
+        return None
+    j = cand[0]
+    before = _words(z._cdata, _WORDS)[j]
+    z.data = z.conj()
+    return j if z.is_conj() and _words(z._cdata, _WORDS)[j] != before else None
 
 
 def _calibrate_version():
@@ -297,18 +319,21 @@ def _make_numba_check():
 
     layout = _calibrate()
     storage = _calibrate_storage()
-    if layout is not None and storage is not None:
+    keyset = _calibrate_keyset(layout[3]) if layout is not None else None
+    if layout is not None and storage is not None and keyset is not None:
         _, k, m, d = layout
         s_w, o_w, sd_w = storage
-        top = max(d, s_w, o_w) + 1
+        ks_w = keyset
+        top = max(d, s_w, o_w, ks_w) + 1
 
         @numba.njit(nogil=False, cache=False)
         def _snapshot(list_addr, n, proto):
             """Row per tensor: ndim, 5 sizes, 5 strides, numel, dtype, StorageImpl,
-            storage offset, and the storage's ``DataPtr`` (data pointer and the two words
-            after it, its deleter and context) (ndim > 5: ndim -1)."""
+            storage offset, the storage's ``DataPtr`` (data pointer and the two words
+            after it, its deleter and context), and the dispatch key set (conj and neg
+            bits) (ndim > 5: ndim -1)."""
             items = _list_items(list_addr, n, proto)
-            out = np.zeros((n, 18), dtype=np.int64)
+            out = np.zeros((n, 19), dtype=np.int64)
             for i in range(n):
                 obj = numba.carray(address_as_pointer(items[i], proto), (impl_word + 1,))
                 w = numba.carray(address_as_pointer(obj[impl_word], proto), (top,))
@@ -328,6 +353,7 @@ def _make_numba_check():
                 out[i, 15] = dp[sd_w]
                 out[i, 16] = dp[sd_w + 1]
                 out[i, 17] = dp[sd_w + 2]
+                out[i, 18] = w[ks_w]
             return out
 
         @numba.njit(nogil=False, cache=False)
@@ -352,7 +378,7 @@ def _make_numba_check():
                 for j in range(nd):
                     if w[k + 1 + j] != meta[i, 1 + j] or w[k + 6 + j] != meta[i, 6 + j]:
                         return False
-                if w[s_w] != meta[i, 13] or w[o_w] != meta[i, 14]:
+                if w[s_w] != meta[i, 13] or w[o_w] != meta[i, 14] or w[ks_w] != meta[i, 18]:
                     return False
                 # The whole DataPtr, not only the address: a lazy clone (copy on write)
                 # keeps the address and swaps the deleter context, and must not be
@@ -372,12 +398,14 @@ def _make_numba_check():
         try:
             a = torch.zeros(4, 6)
             b = torch.zeros(10, dtype=torch.float64)
-            probe = [a, b]
+            c = torch.zeros(3, dtype=torch.complex64)
+            probe = [a, b, c]
             ok = True
             for mutate in (lambda: a.t_(), lambda: a.resize_(3), lambda: a.as_strided_((2, 2), (1, 3)),
                            lambda: setattr(b, "data", b.data.view(torch.int64)[:4]),
                            lambda: b.set_(torch.empty(3, dtype=torch.int64).untyped_storage()),
-                           lambda: b.resize_(1 << 16), lambda: a.set_(a.untyped_storage(), 1, (2,), (1,))):
+                           lambda: b.resize_(1 << 16), lambda: a.set_(a.untyped_storage(), 1, (2,), (1,)),
+                           lambda: setattr(c, "data", c.conj())):
                 before = snapshot(probe)
                 mutate()
                 after = snapshot(probe)
@@ -388,6 +416,7 @@ def _make_numba_check():
                            and row[13] == t.untyped_storage()._cdata and row[14] == t.storage_offset()
                            and row[15] == t.untyped_storage().data_ptr())
                 ok &= not np.array_equal(before, after)
+            ok &= c.is_conj()
             ids = np.array([id(t) for t in probe], dtype=np.int64)
             impls = np.array([t._cdata for t in probe], dtype=np.int64)
             meta = snapshot(probe)

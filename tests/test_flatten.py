@@ -670,12 +670,31 @@ def test_plan_cache_sees_in_place_metadata_changes(change):
         assert torch.equal(torch.cat([t.reshape(-1) for t in ts]), flat), change
 
 
+@pytest.mark.parametrize("bit", ["conj", "neg"])
+def test_plan_cache_sees_a_lazy_bit_set_in_place(bit):
+    """``a.data = a.conj()`` keeps the object, TensorImpl, storage, sizes and strides and
+    sets only the conjugate bit: a cached plan must not read or write the raw bits.
+    (Copies are exact: compared with ``torch.equal``, which also sees imaginary parts.)"""
+    dtype = torch.complex64 if bit == "conj" else torch.float32
+    a, b = torch.randn(3, dtype=dtype), torch.randn(2, dtype=dtype)
+    ts = [a, b]
+    fastpar.flatten(ts)  # caches the plan
+    a.data = a.conj() if bit == "conj" else torch._neg_view(a)
+    assert a.is_conj() if bit == "conj" else a.is_neg()
+    values = lambda: torch.cat([a.resolve_conj().resolve_neg(), b])
+    assert torch.equal(fastpar.flatten(ts), values())
+    flat = torch.randn(5, dtype=dtype)
+    fastpar.unflatten_into(flat, ts)
+    assert torch.equal(values(), flat)
+
+
 def test_compiled_metadata_check_is_calibrated_and_used():
     from fastpar import _fastcheck
     from fastpar._plan import plan_for
 
     assert _fastcheck._calibrate() is not None, "TensorImpl calibration failed on this torch"
     assert _fastcheck._calibrate_storage() is not None, "StorageImpl calibration failed on this torch"
+    assert _fastcheck._calibrate_keyset(_fastcheck._calibrate()[3]) is not None, "key-set calibration failed"
     plan = plan_for([torch.randn(2, 3), torch.randn(4)], "tensors")
     assert plan.meta is not None and plan.guard is None
     # More than 5 dimensions: sizes live out of line, so the C++ guard checks instead.
