@@ -464,7 +464,13 @@ def _pack(weights, layout: RNNLayout, out, cache: bool, more_outs=()) -> torch.T
         per_plan = _PACKING.setdefault(g, {})
         packed = per_plan.get(layout)
         if packed is None:
-            packed = per_plan[layout] = _packing_group(g, layout)
+            new = _packing_group(g, layout)
+            packed = per_plan.setdefault(layout, new)
+            if packed is new:
+                # It holds one more reference to each weight: counted, so that the plan
+                # cache still drops the plan (and this group with it) once the caller's
+                # weights are gone, instead of keeping them alive until evicted.
+                plan.internal_refs += 1
     else:  # staged temporaries: a one-off group
         packed = _packing_group(g, layout)
     if g.dtype == layout.dtype:  # a raw copy: broadcast streams large packs past the cache

@@ -414,6 +414,29 @@ def test_tied_and_missing_weights():
     _assert_rejected(m, TypeError, "module.weight_hh_l0 must be a torch.Tensor, got NoneType")
 
 
+def test_pack_plan_cache_does_not_keep_a_steps_weights_alive():
+    """Weights packed once (an EMA copy, weights received each step): once the caller
+    drops them, no cached plan, nor its cached packing group, may keep them alive."""
+    import gc
+    import weakref
+
+    from fastpar import _plan
+
+    m = torch.nn.LSTM(8, 16, num_layers=2)
+    layout = RNNLayout.for_module(m)
+    _plan.clear_plan_cache()
+    refs = []
+    for _ in range(10):
+        ws = [w.detach().clone() for w in m._flat_weights]
+        refs += [weakref.ref(w) for w in ws]
+        out = rnn.pack(ws, layout)
+        assert torch.equal(out[: ws[0].numel()], ws[0].reshape(-1))
+        del ws
+    gc.collect()
+    alive = sum(r() is not None for r in refs)
+    assert alive <= len(m._flat_weights), f"{alive} of {len(refs)} weights of past steps kept alive"
+
+
 def test_pack_bad_out_and_weights():
     m = make("LSTM", 1, False, True, PROJ)
     ws = list(m._flat_weights)
