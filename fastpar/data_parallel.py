@@ -153,9 +153,15 @@ class DataParallel(torch.nn.DataParallel[T]):
 def _flatten_rnns(module) -> None:
     """Pack the module's own RNN weights in the layout cuDNN wants (once; the Parameter
     objects are kept), so the replica on ``device_ids[0]``, which shares them, is as flat
-    as the others."""
+    as the others. An RNN whose weights cannot be packed (tied, parametrized, of mixed
+    dtypes or devices: what :func:`fastpar.rnn.flatten_parameters` refuses) is left as it
+    is, as torch's ``RNNBase.flatten_parameters`` leaves it (its slower copying path)."""
     for m in module.modules():
         if isinstance(m, torch.nn.RNNBase) and not rnn.is_flat(m):
+            try:
+                rnn._flatten_checks(m)
+            except (TypeError, ValueError, RuntimeError):
+                continue
             rnn.flatten_parameters(m)
 
 

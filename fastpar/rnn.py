@@ -286,6 +286,31 @@ def _check_rnn(module, name: str = "module") -> None:
         )
 
 
+def _flatten_checks(module):
+    """``(names, weights, layout)`` for :func:`flatten_parameters`, having checked that
+    every weight can be packed and rebound; raises as documented there otherwise."""
+    _check_rnn(module)
+    names = list(module._flat_weights_names)
+    weights = _module_weights(module, names)
+    _check_one_device_dtype(weights, names)
+    layout = RNNLayout.for_module(module)
+    _check_shapes(weights, layout, lambda i: f"module.{names[i]}")
+    ptrs = {}
+    for n, w in zip(names, weights):
+        if w.numel() and w.data_ptr() in ptrs:
+            # Rebinding one tensor to two slots would leave one of them wrong.
+            raise ValueError(f"module.{n} aliases module.{ptrs[w.data_ptr()]}; tied RNN weights cannot be packed")
+        ptrs[w.data_ptr()] = n
+        if w.is_inference() and not torch.is_inference_mode_enabled():
+            # set_ refuses in-place changes to inference tensors outside inference mode:
+            # found here, before anything is rebound, not half-way through.
+            raise RuntimeError(
+                f"module.{n} is an inference tensor (made under torch.inference_mode()); it can be "
+                "rebound into a packed buffer only inside torch.inference_mode()"
+            )
+    return names, weights, layout
+
+
 def _module_weights(module, names) -> list:
     """The module's current weights by name (``getattr``, which ``_flat_weights`` mirrors)."""
     from torch.nn.utils import parametrize
@@ -557,22 +582,12 @@ def flatten_parameters(module) -> torch.Tensor:
             the weights mix dtypes.
         ValueError: the weights are on different devices, alias each other, are
             parametrized, or do not have the shapes the module's configuration implies.
+        RuntimeError: a weight is an inference tensor and inference mode is off.
 
     Every check runs before anything is written or rebound: a rejected call leaves the
     module as it was.
     """
-    _check_rnn(module)
-    names = list(module._flat_weights_names)
-    weights = _module_weights(module, names)
-    _check_one_device_dtype(weights, names)
-    layout = RNNLayout.for_module(module)
-    _check_shapes(weights, layout, lambda i: f"module.{names[i]}")
-    ptrs = {}
-    for n, w in zip(names, weights):
-        if w.numel() and w.data_ptr() in ptrs:
-            # Rebinding one tensor to two slots would leave one of them wrong.
-            raise ValueError(f"module.{n} aliases module.{ptrs[w.data_ptr()]}; tied RNN weights cannot be packed")
-        ptrs[w.data_ptr()] = n
+    names, weights, layout = _flatten_checks(module)
     if _weights_flat(weights, layout):
         buf = _buffer_of(weights[0], layout)
     else:

@@ -143,6 +143,40 @@ def test_replica_rnns_are_flat_and_params_contiguous():
     assert len(seen) == 4 and all(seen.values()), seen
 
 
+class _RNNNet(nn.Module):
+    def __init__(self, rnn_module):
+        super().__init__()
+        self.rnn = rnn_module
+
+    def forward(self, x):
+        return self.rnn(x)[0]
+
+
+@pytest.mark.parametrize("kind", ["tied", "parametrized"])
+def test_rnn_that_cannot_be_packed_runs_as_in_torch(kind):
+    """torch's ``flatten_parameters`` leaves such RNNs alone (its copying path); fastpar's
+    DataParallel used to raise for them in every forward."""
+    torch.manual_seed(0)
+    if kind == "tied":
+        m = nn.RNN(4, 4, bidirectional=True).double()
+        m.weight_hh_l0_reverse = m.weight_hh_l0
+    else:
+        m = nn.LSTM(4, 5).double()
+        torch.nn.utils.parametrizations.weight_norm(m, "weight_hh_l0")
+    net = _RNNNet(m)
+    x = torch.randn(3, 4, 4, dtype=torch.float64)  # (seq, batch, feature): scattered on dim 1
+    out = DataParallel(net, device_ids=["cpu", "cpu"], dim=1)(x)
+    out.sum().backward()
+    got = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad()
+    ref = net(x)
+    ref.sum().backward()
+    assert_close(out, ref, what=f"{kind} output")
+    for i, (g, p) in enumerate(zip(got, net.parameters())):
+        assert_close(g, p.grad, what=f"{kind} grad {i}")
+    assert not rnn.is_flat(m)
+
+
 def test_batch_smaller_than_devices():
     model = nn.Linear(4, 2).double()
     dp = DataParallel(model, device_ids=["cpu", "cpu", "cpu"])

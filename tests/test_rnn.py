@@ -437,6 +437,18 @@ def test_pack_plan_cache_does_not_keep_a_steps_weights_alive():
     assert alive <= len(m._flat_weights), f"{alive} of {len(refs)} weights of past steps kept alive"
 
 
+def test_inference_weight_is_refused_before_anything_is_rebound():
+    m = make("GRU", 1, False)
+    with torch.inference_mode():
+        w = torch.nn.Parameter(torch.randn_like(m.weight_hh_l0))
+    m.weight_hh_l0 = w
+    _assert_rejected(m, RuntimeError, "module.weight_hh_l0 is an inference tensor")
+    with torch.inference_mode():  # where set_ may rebind it
+        m2 = make("LSTM", 1, False)
+        rnn.flatten_parameters(m2)
+        assert rnn.is_flat(m2)
+
+
 def test_pack_bad_out_and_weights():
     m = make("LSTM", 1, False, True, PROJ)
     ws = list(m._flat_weights)
