@@ -491,6 +491,11 @@ def test_pack_bad_out_and_weights():
 def test_is_flat_false_for_mismatches():
     m = make("GRU", 1)
     rnn.flatten_parameters(m)
+    shape = m.weight_ih_l0.shape
+    m.weight_ih_l0.data = m.weight_ih_l0.data.view(-1)  # in place, contiguous: only its shape is wrong
+    assert not rnn.is_flat(m)
+    m.weight_ih_l0.data = m.weight_ih_l0.data.view(shape)
+    assert rnn.is_flat(m)
     m.weight_ih_l0.data = m.weight_ih_l0.data.t().contiguous().t()  # right shape, not contiguous
     assert not rnn.is_flat(m)
     m.weight_ih_l0 = torch.nn.Parameter(torch.randn(3, 3))
