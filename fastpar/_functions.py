@@ -1,6 +1,6 @@
 """Autograd functions of the data-parallel path, each with the opposite op as backward
-(as in ``torch.nn.parallel._functions``): Broadcast <-> ReduceAddCoalesced,
-Scatter <-> Gather."""
+(as in ``torch.nn.parallel._functions``): Broadcast (and BroadcastCoalesced) <->
+ReduceAddCoalesced, Scatter <-> Gather."""
 from __future__ import annotations
 
 import torch
@@ -36,9 +36,31 @@ class Broadcast(Function):
         return (None,) + ReduceAddCoalesced.apply(ctx.input_device, ctx.num_inputs, ctx.devices, *grad_outputs)
 
 
+class BroadcastCoalesced(Function):
+    """Copies of ``inputs`` on every device of ``devices`` (``comm.broadcast_coalesced``:
+    the first device's are ``inputs`` themselves). Backward: :class:`ReduceAddCoalesced`.
+    The backward of :class:`ReduceAddCoalesced`, so that it too is differentiable (higher
+    order gradients through ``replicate``), as torch's ``Broadcast`` is there."""
+
+    @staticmethod
+    def forward(ctx, devices, *inputs):
+        ctx.devices = devices
+        ctx.num_inputs = len(inputs)
+        ctx.input_device = inputs[0].device if inputs else None
+        if not inputs:
+            return ()
+        with transient_tensors():  # a step's gradients: don't keep their plans
+            copies = comm.broadcast_coalesced(list(inputs), devices)
+        return tuple(t for tensors in copies for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        return (None,) + ReduceAddCoalesced.apply(ctx.input_device, ctx.num_inputs, ctx.devices, *grad_outputs)
+
+
 class ReduceAddCoalesced(Function):
     """Position-wise sum of per-device gradient lists onto ``destination``, one kernel
-    launch per dtype. Backward: a plain broadcast of the summed gradients."""
+    launch per dtype. Backward: :class:`BroadcastCoalesced` of the summed gradients."""
 
     @staticmethod
     def forward(ctx, destination, num_inputs, devices, *grads):
@@ -49,9 +71,7 @@ class ReduceAddCoalesced(Function):
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        with transient_tensors():
-            copies = comm.broadcast_coalesced(list(grad_outputs), ctx.devices)
-        return (None, None, None) + tuple(t for tensors in copies for t in tensors)
+        return (None, None, None) + BroadcastCoalesced.apply(ctx.devices, *grad_outputs)
 
 
 class Scatter(Function):
@@ -68,6 +88,8 @@ class Scatter(Function):
             input = input.pin_memory()
             streams = [_background_stream(d) for d in target_devices]
         outputs = comm.scatter(input, target_devices, chunk_sizes, dim, streams)
+        if input.device.type == "cpu" and input.numel():
+            outputs = _one_view(outputs, input)
         if streams is not None:
             for d, out, s in zip(target_devices, outputs, streams):
                 with torch.cuda.device(d):
@@ -110,6 +132,24 @@ class Gather(Function):
         if ctx.unsqueezed_scalar:
             grads = tuple(g[0] for g in grads)
         return (None, None) + tuple(grads)
+
+
+def _one_view(chunks, input):
+    """``chunks`` with every view of ``input`` but the first replaced by a copy.
+
+    ``comm.scatter`` leaves a chunk already on its device a view of ``input``, as torch's
+    does. torch's device ids are distinct, so at most one chunk is a view; host replicas
+    (``"cpu"`` repeated) would all get views, sharing ``input``'s version counter, and an
+    in-place op in one replica (``ReLU(inplace=True)``, ``x += pos``) would invalidate
+    what the others saved for backward."""
+    base = input.untyped_storage().data_ptr()
+    out, seen = list(chunks), False
+    for i, c in enumerate(out):
+        if c.numel() and c.device == input.device and c.untyped_storage().data_ptr() == base:
+            if seen:
+                out[i] = c.clone()
+            seen = True
+    return tuple(out)
 
 
 _streams: dict = {}

@@ -715,9 +715,11 @@ def gather(tensors, dim=0, destination=None, *, out=None):
             out = _alloc.empty(shape, dtype=t0.dtype, device=dst)
         else:  # as torch's gather: a layout every input shares is kept
             out = torch.empty(shape, dtype=t0.dtype, device=dst, memory_format=fmt)
-    if dim == 0 and out.is_contiguous() and all(t.device == dst for t in ts) and out.numel():
+    if dim == 0 and out.is_contiguous() and all(t.device == dst for t in ts) and out.numel() \
+            and out.element_size() in (1, 2, 4, 8):
         # Rows of a contiguous result along dim 0 are the inputs laid end to end: one
-        # flatten launch instead of one copy per input.
+        # flatten launch instead of one copy per input (flatten moves elements of up to
+        # 8 bytes; complex128 takes the copies below).
         flatten(ts, out=out.view(-1))
         return out
     off = 0

@@ -289,3 +289,34 @@ def test_cuda_replica_on_source_device_shares_storage():
     x = torch.randn(3, 5, 6, device="cuda")
     net.eval(), rep.eval()
     assert torch.equal(rep[:-1](x[:, 0]), net[:-1](x[:, 0]))
+
+
+def test_third_order_gradient_through_replicate_counts_every_replica():
+    """ReduceAddCoalesced's backward is differentiable (BroadcastCoalesced), as torch's:
+    a plain broadcast there cut replicas 1.. out of higher-order graphs, so a third
+    derivative saw replica 0's half of the batch only."""
+    from fastpar._functions import ReduceAddCoalesced
+
+    torch.manual_seed(0)
+    devs = [torch.device("cpu")] * 2
+    a, b = (torch.randn(3, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    f = lambda a, b: ReduceAddCoalesced.apply(torch.device("cpu"), 1, devs, a, b)
+    assert torch.autograd.gradcheck(f, (a, b))
+    (s,) = f(a, b)
+    g = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    ga, gb = torch.autograd.grad(s, (a, b), grad_outputs=g, create_graph=True)
+    assert ga.requires_grad and gb.requires_grad
+
+    m = nn.Linear(2, 1, bias=False).double()
+    x = torch.randn(4, 2, dtype=torch.float64)
+
+    def third(forward):
+        u = torch.ones(4, 1, dtype=torch.float64, requires_grad=True)
+        (gw,) = torch.autograd.grad(forward(), m.weight, grad_outputs=u, create_graph=True)
+        v = torch.ones_like(gw, requires_grad=True)
+        (j,) = torch.autograd.grad(gw, u, grad_outputs=v, create_graph=True)
+        (k,) = torch.autograd.grad(j.pow(2).sum(), v)
+        return k
+
+    dp = fastpar.DataParallel(m, device_ids=["cpu", "cpu"])
+    torch.testing.assert_close(third(lambda: dp(x)), third(lambda: m(x)))

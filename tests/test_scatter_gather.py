@@ -99,3 +99,35 @@ def test_top_level_scatter_gather_round_trip_dtypes(dtype, dim):
                            ("pair[1][0]", back["pair"][1][0], x[:, 3:])]:
         assert got.dtype == dtype, f"gathered {name} is {got.dtype}"
         assert_close(got, ref, tol=(0, 0), what=f"gathered {name}")
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_gather_complex128(dim):
+    """16-byte elements: gathered by copies (the one-launch path moves up to 8 bytes)."""
+    parts = [torch.randn(2, 3, dtype=torch.complex128) for _ in range(2)]
+    assert torch.equal(fastpar.gather(parts, "cpu", dim=dim), torch.cat(parts, dim))
+
+
+def test_scatter_to_host_replicas_gives_one_view_and_copies():
+    """torch keeps only the chunk on the input's own device a view of the input; host
+    replicas ("cpu" repeated) must not all share its version counter, or an in-place op
+    in one replica breaks the backward of the others."""
+    x = torch.randn(6, 4)
+    parts = fastpar.scatter(x, ["cpu"] * 3)
+    base = x.untyped_storage().data_ptr()
+    shared = [p.untyped_storage().data_ptr() == base for p in parts]
+    assert shared == [True, False, False]
+    for p, w in zip(parts, x.chunk(3)):
+        assert torch.equal(p, w)
+    # The failure it prevents: each replica applies an in-place ReLU to its chunk.
+    m = torch.nn.Sequential(torch.nn.ReLU(inplace=True), torch.nn.Linear(4, 2)).double()
+    dp = fastpar.DataParallel(m, device_ids=["cpu", "cpu"])
+    for _ in range(5):
+        xb = torch.randn(8, 4, dtype=torch.float64)
+        dp(xb.clone()).sum().backward()
+        got = [p.grad.clone() for p in m.parameters()]
+        m.zero_grad()
+        m(xb.clone()).sum().backward()
+        for g, p in zip(got, m.parameters()):
+            assert_close(g, p.grad, what="grad with an in-place ReLU in each replica")
+        m.zero_grad()
