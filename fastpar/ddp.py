@@ -28,6 +28,7 @@ Example::
 # No ``from __future__ import annotations`` here: DistributedDataParallel compares the
 # hooks' annotations with ``dist.GradBucket`` and ``Future[Tensor]`` objects, and
 # postponed (string) annotations would fail that check.
+import contextvars
 import threading
 import zlib
 
@@ -47,6 +48,7 @@ __all__ = [
     "compress_hook",
     "fp16_compress_hook",
     "register",
+    "release_buffers",
     "sync_params",
 ]
 
@@ -229,6 +231,19 @@ class _BucketCache:
 
 
 _buckets = _BucketCache()
+
+
+def release_buffers() -> None:
+    r"""Drop what the hooks keep per bucket: the low-precision buffers of the compress
+    hooks (half the gradients' size, on the gradients' device) and each bucket's resolved
+    passes.
+
+    A bucket's entry is otherwise dropped when a hook next sees a new bucket after the
+    bucket's memory was freed, so after the last DDP model is deleted its buffers stay
+    until then. Call this to return that memory at once (e.g. after training, before
+    evaluation on the same GPU). Safe while hooks run: a later call rebuilds its entry.
+    """
+    _buckets.clear()
 
 
 #: Bytes read + written from which a Numba pass over a bucket runs on every thread. A
@@ -483,11 +498,15 @@ def _make_compress_hook(dtype: torch.dtype):
             low = entry.low[dtype] = torch.empty(buf.numel(), dtype=dtype, device=buf.device)
         _launch("flatten", entry, buf, low, 1.0 / group.size())
         fut = dist.all_reduce(low, group=group, async_op=True).get_future()
+        # The cast back may run on the backend's callback thread: it runs in this
+        # thread's context, so a fastpar.use_backend(...) around backward() picks the
+        # backend of both passes, not only of the first.
+        context = contextvars.copy_context()
 
         def decompress(fut):
             # Cast back in place: returning the bucket buffer itself spares DDP a copy
             # when gradients are bucket views, and frees nothing to allocate again.
-            _launch("unflatten_into", entry, buf, fut.value()[0], None)
+            context.run(_launch, "unflatten_into", entry, buf, fut.value()[0], None)
             return buf
 
         return fut.then(decompress)
@@ -613,6 +632,28 @@ def _unpack(flat: torch.Tensor, tensors: list) -> None:
         unflatten_into(flat, tensors)
 
 
+def _sharing_memory(tensors: list) -> set:
+    """Positions of the contiguous tensors whose bytes overlap a kept one's: in each
+    storage, by offset (then list position), a tensor starting before the end of the
+    last kept one is staged, else kept. Only offsets within a storage and list positions
+    decide, so every rank of identical modules stages the same tensors."""
+    by_storage: dict = {}
+    for i, t in enumerate(tensors):
+        if t.is_contiguous() and t.numel():
+            lo = t.storage_offset() * t.element_size()
+            key = (t.device, t.untyped_storage().data_ptr())
+            by_storage.setdefault(key, []).append((lo, lo + t.numel() * t.element_size(), i))
+    shared = set()
+    for spans in by_storage.values():
+        end = None
+        for lo, hi, i in sorted(spans):
+            if end is not None and lo < end:
+                shared.add(i)
+            else:
+                end = hi
+    return shared
+
+
 def sync_params(module, src: int = 0, process_group=None) -> None:
     r"""Copy every parameter and buffer of ``module`` from rank ``src`` to all ranks of
     ``process_group``, in one coalesced broadcast.
@@ -622,9 +663,10 @@ def sync_params(module, src: int = 0, process_group=None) -> None:
     pass, ``dist.broadcast`` sends it, and every other rank unpacks it with one fastpar
     pass. Contiguous tensors travel as raw bytes, so every dtype (integer buffers such as
     ``num_batches_tracked``, bfloat16, bool, complex) shares that one buffer and arrives
-    bit for bit; a non-contiguous tensor travels in a buffer of its own dtype (one more
-    broadcast per such dtype), and a module spread over several devices takes one
-    broadcast per device.
+    bit for bit; a non-contiguous tensor, or one sharing memory with another (a buffer
+    registered as a view of another), travels in the same buffer through a contiguous
+    copy written back after the broadcast, and a module spread over several devices
+    takes one broadcast per device.
 
     Before the broadcast one small ``all_reduce`` compares a checksum of the tensors'
     shapes and dtypes across ranks, so modules that differ raise ``ValueError`` on every
@@ -662,8 +704,11 @@ def sync_params(module, src: int = 0, process_group=None) -> None:
     wires: dict = {}
     staged = []
     signature = []
-    for t in tensors:
-        if t.is_contiguous():
+    shared = _sharing_memory(tensors)
+    for i, t in enumerate(tensors):
+        # A tensor sharing memory with an earlier one (a buffer registered as a view of
+        # another) is staged too: unpacking writes no two wire pieces to one address.
+        if t.is_contiguous() and i not in shared:
             w = t.reshape(-1).view(torch.uint8)
         else:
             # Only src's copy carries values; the others receive into it.

@@ -174,7 +174,7 @@ def _train(rank, hook_name, model, ddp, register, group, steps):
         model_ddp.register_comm_hook(group, recording_hook)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.5)
     gen = torch.Generator().manual_seed(1000 + rank)
-    launches, grads0 = [], None
+    launches, backends, grads0 = [], [], None
     for step in range(steps):
         x = torch.randn(8, 16, generator=gen)
         target = torch.randn(8, 4, generator=gen)
@@ -184,6 +184,7 @@ def _train(rank, hook_name, model, ddp, register, group, steps):
         with fastpar.count_launches() as n:
             loss.backward()
         launches.append(n.total)
+        backends.append(sorted({b for b, _ in n.by_op}))
         if step == 0:
             grads0 = [p.grad.clone() for p in net.parameters()]
         opt.step()
@@ -192,6 +193,7 @@ def _train(rank, hook_name, model, ddp, register, group, steps):
         "grads0": grads0,
         "buckets": buckets if register != "fastpar" else None,
         "launches": launches,
+        "backends": backends,  # per step: the backends fastpar's launches ran on
         # Whether every gradient lives in a bucket buffer the hook saw (what
         # gradient_as_bucket_view=True promises), when the hook recorded them.
         "grads_in_buckets": None if register == "fastpar" else all(
@@ -216,6 +218,9 @@ SCENARIOS = {
     "allreduce/float64+group": ("fastpar_allreduce", "torch_allreduce",
                                 {"model": {"f64": True}, "register": "fastpar", "group": "new"}, "exact"),
     "fp16": ("fastpar_fp16", "torch_fp16", {"register": "fastpar"}, "fp16"),
+    # use_backend() around backward: both passes, the cast back too (it runs on gloo's
+    # callback thread), on the Triton kernels (interpreter).
+    "fp16/triton_passes": ("fastpar_fp16", "torch_fp16", {"backend": "triton"}, "fp16"),
     "fp16/bucket_view+tiny+empty": ("fastpar_fp16", "torch_fp16",
                                     {"model": {"empty": True},
                                      "ddp": {"gradient_as_bucket_view": True, "bucket_cap_mb": 1e-5}}, "fp16"),
@@ -243,8 +248,9 @@ def _train_worker(rank):
 class SyncNet(nn.Module):
     """Every kind of tensor sync_params moves: float32 weights, BatchNorm running stats and
     its int64 ``num_batches_tracked``, a bfloat16 parameter, a non-contiguous parameter and
-    a non-contiguous int16 buffer (a dtype gloo cannot broadcast), a 0-dim parameter, an
-    empty parameter and a bool buffer."""
+    a non-contiguous int16 buffer (a dtype gloo cannot broadcast), buffers that are
+    overlapping views of another, a 0-dim parameter, an empty parameter and a bool
+    buffer."""
 
     def __init__(self, out=4, noncontig=True):
         super().__init__()
@@ -257,6 +263,11 @@ class SyncNet(nn.Module):
         self.register_buffer("mask", torch.rand(7) > 0.5)
         if noncontig:
             self.register_buffer("counts", torch.randint(-999, 999, (4, 6), dtype=torch.int16)[:, ::2])
+            # Buffers registered as views of another (overlapping each other too): their
+            # bytes must not be unpacked twice (receiving ranks raised after the broadcast).
+            self.register_buffer("stats", torch.randn(6))
+            self.register_buffer("stats_head", self.stats[:3])
+            self.register_buffer("stats_mid", self.stats[2:5])
 
     def forward(self, x):
         return self.bn(self.lin(x))
@@ -405,6 +416,14 @@ def test_tiny_buckets_and_empty_bucket(trained, scenario):
     passes = 1 if scenario.startswith("allreduce") else 2
     for step, (seen, n) in enumerate(zip(res["buckets"], res["launches"])):
         assert n == passes * sum(1 for _, numel, _ in seen if numel), f"step {step}: {n} launches for buckets {seen}"
+
+
+@pytest.mark.parametrize("scenario", ["allreduce/triton_pass+tiny+empty", "fp16/triton_passes"])
+def test_backend_chosen_around_backward_runs_every_pass(trained, scenario):
+    for rank in range(WORLD):
+        res = trained[rank][scenario]["fastpar"]
+        assert all(n > 0 for n in res["launches"]), res["launches"]
+        assert res["backends"] == [["triton"]] * STEPS, res["backends"]
 
 
 def test_one_tensor_bucket(trained):
@@ -625,6 +644,25 @@ def test_bucket_cache_drops_rebuilt_buckets(one_rank):
     # The first step's single bucket was freed by DDP's rebuild and dropped from the cache.
     entries = list(fddp._buckets._entries.values())
     assert len(entries) == live and not any(e.alive.expired() for e in entries)
+
+
+def test_release_buffers_frees_the_low_precision_buffers(one_rank):
+    import gc
+    import weakref
+
+    fddp._buckets.clear()
+    model = DDP(Net())
+    fddp.register(model, fddp.bf16_compress_hook)
+    for _ in range(3):
+        model(torch.randn(2, 16)).sum().backward()
+    lows = [weakref.ref(low) for e in fddp._buckets._entries.values() for low in e.low.values()]
+    assert lows and all(r() is not None for r in lows)
+    del model
+    gc.collect()
+    assert any(r() is not None for r in lows)  # kept until a hook sees a new bucket ...
+    fddp.release_buffers()
+    gc.collect()
+    assert all(r() is None for r in lows)  # ... or until released
 
 
 def test_sync_params_argument_errors(one_rank):
