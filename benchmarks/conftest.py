@@ -56,41 +56,61 @@ def _warm_up(fn, setup=None) -> None:
         calls += 1
 
 
-def interleaved(benchmark, steps: dict, *, rounds: int) -> dict:
-    """Time ``steps["fastpar"]`` and ``steps["torch"]`` alternately (the order flipped
-    every round), so that load from other processes falls on both alike: the steadiest
-    same-run comparison on a shared machine, where sequential rounds of one provider
-    then the other can land in different load (a DataParallel step measured 0.44-0.84x
-    sequentially and 1.25x interleaved on the same VM within minutes).
+def interleaved(benchmark, steps: dict, *, rounds: int, iterations: int = 1,
+                nbytes: dict | None = None, keep_values: bool = False) -> dict:
+    """Time the providers of ``steps`` (``"fastpar"`` and ``"torch"`` and/or ``"copy_"``)
+    alternately, the order rotated every round, so that load from other processes falls
+    on all alike: the steadiest same-run comparison on a shared machine, where
+    sequential rounds of one provider then another can land in different load (a
+    DataParallel step measured 0.44-0.84x sequentially and 1.25x interleaved on the same
+    VM within minutes; a 25 MB ``copy_`` took 0.9 ms in one run and 1.9 ms in the next).
 
-    Both are warmed up as in :func:`measure`, then ``rounds`` rounds each run both.
-    ``extra_info`` gets the median wall-clock times, their ratio (torch / fastpar) and
-    the mean paired difference with its 95% interval (how large a difference this run
-    could resolve at all). Returns each provider's per-round return values."""
+    All are warmed up as in :func:`measure`, then ``rounds`` rounds each run every
+    provider ``iterations`` times in a row (the per-call time is the round's mean).
+    ``extra_info`` gets each provider's median per-call time (``<provider>_ms``); with
+    both ``fastpar`` and ``torch``, their ratio (torch / fastpar) and the mean paired
+    difference with its 95% interval (how large a difference this run could resolve at
+    all); with ``nbytes`` (bytes read plus written per call, per provider), each one's
+    GB/s and, with ``copy_``, fastpar's share of ``copy_``'s bandwidth (``of_copy``).
+    With ``keep_values``, returns each provider's per-round return values (of its last
+    call in the round); otherwise every return value is dropped at once, as a loop
+    calling the provider would drop it (a kept result would stop an allocator from
+    reusing its memory)."""
     times = {k: [] for k in steps}
     values = {k: [] for k in steps}
     order = list(steps)
 
-    def both():
-        order.reverse()
+    def one_round():
+        order.append(order.pop(0))  # rotate: every provider takes every position in turn
         for provider in order:
+            fn = steps[provider]
             t0 = time.perf_counter()
-            values[provider].append(steps[provider]())
-            times[provider].append(time.perf_counter() - t0)
+            for _ in range(iterations):
+                v = fn()
+            times[provider].append((time.perf_counter() - t0) / iterations)
+            if keep_values:
+                values[provider].append(v)
+            del v  # not alive during the next provider's call
 
-    _warm_up(both)
+    _warm_up(one_round)
     for v in (*times.values(), *values.values()):
         v.clear()
-    benchmark.pedantic(both, rounds=rounds, warmup_rounds=0, iterations=1)
+    benchmark.pedantic(one_round, rounds=rounds, warmup_rounds=0, iterations=1)
     med = {k: statistics.median(v) for k, v in times.items()}
-    diffs = [(t - f) * 1e3 for t, f in zip(times["torch"], times["fastpar"])]
-    benchmark.extra_info.update(
-        torch_minus_fastpar_ms=round(statistics.fmean(diffs), 3),
-        ci95_ms=round(1.96 * statistics.stdev(diffs) / len(diffs) ** 0.5, 3),
-        fastpar_ms=round(med["fastpar"] * 1e3, 3),
-        torch_ms=round(med["torch"] * 1e3, 3),
-        ratio=round(med["torch"] / med["fastpar"], 3),
-    )
+    info = {f"{k}_ms": round(m * 1e3, 4) for k, m in med.items()}
+    if "fastpar" in med and "torch" in med:
+        diffs = [(t - f) * 1e3 for t, f in zip(times["torch"], times["fastpar"])]
+        info.update(
+            torch_minus_fastpar_ms=round(statistics.fmean(diffs), 4),
+            ci95_ms=round(1.96 * statistics.stdev(diffs) / len(diffs) ** 0.5, 4),
+            ratio=round(med["torch"] / med["fastpar"], 3),
+        )
+    if nbytes is not None:
+        gbs = {k: nbytes[k] / med[k] / 1e9 for k in med if k in nbytes}
+        info.update({f"{k}_GB/s": round(v, 3) for k, v in gbs.items()})
+        if "fastpar" in gbs and CEILING in gbs:
+            info["of_copy"] = round(gbs["fastpar"] / gbs[CEILING], 3)
+    benchmark.extra_info.update(info)
     return values
 
 
@@ -115,9 +135,9 @@ def _ratios(benchmarks):
 
 
 def _interleaved_rows(benchmarks):
-    return [{"group": b.group, **{k: b.extra_info[k] for k in (
-        "fastpar_ms", "torch_ms", "ratio", "torch_minus_fastpar_ms", "ci95_ms")}}
-        for b in benchmarks if "torch_minus_fastpar_ms" in getattr(b, "extra_info", {})]
+    keys = ("fastpar_ms", "torch_ms", "copy__ms", "ratio", "torch_minus_fastpar_ms", "ci95_ms", "of_copy")
+    return [{"group": b.group, **{k: b.extra_info[k] for k in keys if k in b.extra_info}}
+            for b in benchmarks if "fastpar_ms" in getattr(b, "extra_info", {})]
 
 
 def pytest_benchmark_update_json(config, benchmarks, output_json):
@@ -132,11 +152,15 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     tr = terminalreporter
     rows = _interleaved_rows(session.benchmarks)
     if rows:
-        tr.section("fastpar vs torch, interleaved rounds (ratio = torch median / fastpar median)")
-        tr.write_line(f"{'group':58s} {'fastpar ms':>11s} {'torch ms':>10s} {'ratio':>7s} {'torch - fastpar ms (95%)':>26s}")
+        tr.section("fastpar vs torch / copy_, interleaved rounds (ratio = torch median / fastpar median)")
+        tr.write_line(f"{'group':58s} {'fastpar ms':>11s} {'torch ms':>10s} {'ratio':>7s} "
+                      f"{'torch - fastpar ms (95%)':>26s} {'of copy_':>9s}")
         for r in rows:
-            diff = f"{r['torch_minus_fastpar_ms']:+.2f} +- {r['ci95_ms']:.2f}"
-            tr.write_line(f"{r['group']:58s} {r['fastpar_ms']:11.3f} {r['torch_ms']:10.3f} {r['ratio']:7.2f} {diff:>26s}")
+            torch_ms = f"{r['torch_ms']:10.3f}" if "torch_ms" in r else f"{'':10s}"
+            ratio = f"{r['ratio']:7.2f}" if "ratio" in r else f"{'':7s}"
+            diff = f"{r['torch_minus_fastpar_ms']:+.3f} +- {r['ci95_ms']:.3f}" if "ci95_ms" in r else ""
+            ceil = f"{100 * r['of_copy']:8.0f}%" if "of_copy" in r else ""
+            tr.write_line(f"{r['group']:58s} {r['fastpar_ms']:11.3f} {torch_ms} {ratio} {diff:>26s} {ceil:>9s}")
     rows = _ratios(session.benchmarks)
     if not rows:
         return

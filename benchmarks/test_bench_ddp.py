@@ -74,6 +74,27 @@ def test_compress_pass(benchmark, bucket, dtype, provider):
             iterations=20 if mb == 1 else 1)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_compress_pass_interleaved(benchmark, bucket, dtype):
+    """The group above with fastpar, torch and ``copy_`` alternated round by round
+    (``conftest.interleaved``), so that all three meet the same load: the 1 and 25 MB
+    ratios moved 1.3-3.3x between sequential runs on one VM."""
+    mb, buf = bucket
+    benchmark.group = f"compress pass fp32->{str(dtype)[6:]} /{WORLD}: {mb} MB bucket, interleaved"
+    low = torch.zeros(buf.numel(), dtype=dtype)
+    low_copy = torch.zeros(buf.numel(), dtype=dtype)
+    entry = fddp._buckets.get(buf)
+    steps = {
+        "fastpar": lambda: fddp._launch("flatten", entry, buf, low, 1.0 / WORLD),
+        "torch": lambda: buf.to(dtype).div_(WORLD),
+        "copy_": lambda: low_copy.copy_(buf),
+    }
+    moved = buf.numel() * (4 + dtype.itemsize)
+    interleaved(benchmark, steps, rounds=15 if mb < 100 else 8, iterations=20 if mb == 1 else 1,
+                nbytes=dict.fromkeys(steps, moved))
+    assert torch.equal(low, (buf * (1.0 / WORLD)).to(dtype)), "the benchmarked pass computes the wrong values"
+
+
 @pytest.mark.parametrize("provider", ["fastpar", "torch", "torch_mul_"])
 def test_allreduce_scale_pass(benchmark, bucket, provider):
     """The allreduce hook's pass alone: the bucket divided by the world size in place.
@@ -247,7 +268,7 @@ def test_ddp_step_interleaved(benchmark, step_pair, hook):
     # 100 rounds: a step's time varies by ~10% round to round, and the hooks differ by a
     # few percent at most, so 25 rounds left the median ratio +-5% from run to run.
     cpu = interleaved(benchmark, {p: (lambda p=p: step_pair.step((hook, p))) for p in ("fastpar", "torch")},
-                      rounds=100)
+                      rounds=100, keep_values=True)
     cpu_med = {k: statistics.median(v) for k, v in cpu.items()}
     benchmark.extra_info.update(
         fastpar_cpu_ms=round(cpu_med["fastpar"] * 1e3, 2),
