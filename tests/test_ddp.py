@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
-from conftest import assert_close
+from conftest import assert_close, cuda
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
 from torch.multiprocessing.spawn import ProcessException
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -846,6 +846,20 @@ def test_scale_other_backends_match_torch(be, dtype, factor, divide):
         piece = exp[v.storage_offset():v.storage_offset() + v.numel()]
         piece.div_(factor) if divide else piece.mul_(factor)
     assert _same_bits(store, exp)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_cuda_hook_scale_pass_matches_torch(dtype):
+    """The allreduce hook's pass on a CUDA bucket (Triton; the NCCL test runs at world
+    size 1, where the hook does not scale): x * (1/4) bit for bit as torch's mul_."""
+    buf = torch.randn(3 * 4099 + 5, device="cuda").to(dtype)
+    exp = buf.clone().mul_(0.25)
+    with fastpar.count_launches() as n:
+        fddp._launch("scale", fddp._Bucket(buf), buf, buf, 0.25)
+    torch.cuda.synchronize()
+    assert n.by_op == {("triton", "scale"): 1}, n.by_op
+    assert torch.equal(buf, exp)
 
 
 def test_scale_rejects_other_dtypes():
