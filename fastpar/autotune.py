@@ -149,6 +149,25 @@ def unflatten_into_runner(device, src_dtype, dst_dtype, scale, numel: int, n_set
                 list(fns[0].args[1]))
 
 
+#: Replicas a reduce_add candidate is timed with (the issue's headline K).
+REDUCE_REPLICAS = 4
+
+
+def reduce_add_runner(device, src_dtype, dst_dtype, scale, numel: int, n_sets: int) -> Work:
+    """``fastpar.comm.reduce_add_coalesced(copies, device, out=out)`` of
+    ``REDUCE_REPLICAS`` copies of one parameter-like list into reused, already touched
+    ``out`` tensors (as DataParallel's backward reuses its gradients' memory)."""
+    from fastpar import comm
+
+    fns, outs = [], None
+    for ts in _tensor_sets(device, src_dtype, numel, n_sets):
+        copies = [ts] + [[t.clone() for t in ts] for _ in range(REDUCE_REPLICAS - 1)]
+        out = [torch.zeros_like(t) for t in ts]
+        outs = outs or out
+        fns.append(functools.partial(comm.reduce_add_coalesced, copies, device, out=out))
+    return Work(fns, numel * src_dtype.itemsize * (REDUCE_REPLICAS + 1), len(param_like_sizes(numel)), outs)
+
+
 def _resolve(dotted: str) -> Callable:
     mod, _, name = dotted.partition(":")
     try:

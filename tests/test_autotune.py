@@ -166,6 +166,33 @@ def test_real_flatten_runner_quick(results):
     assert got == winner
 
 
+def test_real_reduce_add_runner_quick(results):
+    """The packaged reduce_add runner: its candidates write what the defaults write, and
+    the winner is what a fresh process's ``_tuning.params`` returns for reduce_add."""
+    work = autotune.reduce_add_runner(torch.device("cpu"), F32, F32, None, 5000, 2)
+    assert len(work.fns) == 2 and work.nbytes == 5000 * 4 * (autotune.REDUCE_REPLICAS + 1)
+    autotune.verify_candidates(work, [{"chunk": 1024}], "reduce_add", "numba")
+    copies = work.fns[0].args[0]
+    for i in (0, len(copies[0]) - 1):
+        expected = sum(c[i].double() for c in copies)
+        torch.testing.assert_close(work.outputs[i].double(), expected)
+    space = json.loads(_tuning.SPACE_PATH.read_text())
+    space["ops"] = {"reduce_add": dict(space["ops"]["reduce_add"], sizes=[8192], quick_sizes=[8192])}
+    space["ops"]["reduce_add"]["backends"] = {"numba": {"device": "cpu", "params": {
+        "chunk": {"values": [1024], "min": 1}, "parallel_min_bytes": {"values": [4194304], "min": 0}}}}
+    p = results / "space.json"
+    p.write_text(json.dumps(space))
+    result = autotune.tune(["reduce_add"], quick=True, space=p, devices=["cpu"], progress=False)
+    doc = json.loads(result[SLUG]["path"].read_text())
+    winner = doc["entries"]["reduce_add/numba/float32->float32/b0"]["winner"]["params"]
+    got = _fresh_process(results, """
+        import json, torch
+        from fastpar import _tuning
+        print(json.dumps(_tuning.params("reduce_add", "numba", torch.float32, torch.float32, 8192)))
+    """)
+    assert got == winner
+
+
 # ----------------------------------------------------------------------------- bad files
 
 
