@@ -2,6 +2,8 @@
 the PTX checked for what matters on hardware the interpreter cannot show."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -50,9 +52,18 @@ def test_copy_conversions_compile_vectorised(cc, src, dst, scaled, to_flat):
 @pytest.mark.parametrize("cc", CCS)
 @pytest.mark.parametrize("k", [2, 4, 8])
 def test_reduce_fp32_aligned_uses_128bit_vectors(cc, k):
+    from fastpar.kernels.ops_triton import reduce_add as R
+
     ptx = aot.compile_reduce(cc, torch.float32, k)
-    assert ptx.count("ld.global.v4.b32") >= k, "each of the K sources read with 128-bit loads"
+    # Each of the K sources read with 128-bit loads only: BLOCK fp32 values spread over
+    # 32 * num_warps threads, four per load, and no scalar 32-bit data load anywhere
+    # (the table is read with 64-bit loads).
+    per_source = R.DEFAULT_BLOCK // (32 * R.DEFAULT_NUM_WARPS * 4)
+    assert ptx.count("ld.global.v4.b32") == k * per_source, "each of the K sources read with 128-bit loads"
+    assert not re.search(r"ld\.global(\.\w+)*\.b32\b", ptx.replace("ld.global.v4.b32", "")), "a scalar data load"
     assert "st.global.v4.b32" in ptx
+    # Table offsets computed in 64 bits although n_tensors arrives as i32.
+    assert "mul.lo.s32" not in ptx
 
 
 @pytest.mark.parametrize("cc", CCS)
@@ -69,7 +80,7 @@ def _compile_scale(cc, dtype, divide, aligned=True):
     from fastpar.kernels.ops_triton import scale as S
 
     cx = S.scale_constexprs(dtype, divide, aligned, S.DEFAULT_BLOCK)
-    signature = {"table": "*i64", "n_tensors": "i64", "factor": "fp64"}
+    signature = {"table": "*i64", "n_tensors": "i32", "factor": "fp64"}
     return aot.compile_kernel(S._scale_kernel, signature, cx, cc, aligned_args=("table",)).asm["ptx"]
 
 

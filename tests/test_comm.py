@@ -71,6 +71,17 @@ def test_reduce_add_coalesced_integers_wrap_as_torch(backend, dtype):
         assert r.dtype == dtype and torch.equal(r, e), f"position {i}: {r[:5].tolist()} != {e[:5].tolist()}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=str)
+def test_reduce_add_keeps_negative_zero(backend, dtype):
+    """-0.0 + -0.0 is -0.0, as torch's adds give: an accumulator started at +0.0 (the
+    Triton kernel's, once) turned every all-negative-zero sum into +0.0."""
+    a = torch.tensor([-0.0, 1.0, -0.0, 0.0, -0.0], dtype=dtype)
+    b = torch.tensor([-0.0, -1.0, 0.0, -0.0, -0.0], dtype=dtype)
+    (got,) = comm.reduce_add_coalesced([[a], [b]], "cpu")
+    exp = a + b
+    assert torch.equal(torch.signbit(got), torch.signbit(exp)) and torch.equal(got, exp), (got, exp)
+
+
 def test_reduce_add_coalesced_results_are_independent_tensors(backend):
     # Results share buffers, but as separately allocated tensors would behave: an in-place
     # write to one neither changes nor bumps the version of another (they are not

@@ -97,6 +97,28 @@ def test_integer_conversions_follow_tensor_to(backend, src, dst):
         assert torch.equal(b, t), f"unflatten_into {dst}->{src}: tensor {i} differs"
 
 
+@pytest.mark.parametrize("src", FLOAT_DTYPES, ids=str)
+def test_negative_floats_to_uint8_wrap_as_torch(backend, src):
+    """torch converts float -> uint8 through int64 (c10/util/TypeCast.h), so -1.0 -> 255
+    on CPU and GPU alike; a direct conversion clamps to 0 on a GPU."""
+    x = torch.arange(-255, 256, 17).to(src)
+    out = poison_(torch.empty(x.numel(), dtype=torch.uint8))
+    fastpar.flatten([x], dtype=torch.uint8, out=out)
+    assert torch.equal(out, x.to(torch.uint8)), f"{src} -> uint8 differs from torch"
+
+
+@pytest.mark.parametrize("cc", [80, 90])
+@pytest.mark.parametrize("src", [torch.float32, torch.float16], ids=str)
+def test_float_to_uint8_compiles_through_int64(cc, src):
+    import re
+
+    from fastpar.kernels.ops_triton import aot
+
+    ptx = aot.compile_copy(cc, src=src, dst=torch.uint8, aligned=False)
+    cvts = set(re.findall(r"cvt\.rzi\.\w+\.\w+", ptx))
+    assert cvts == {f"cvt.rzi.s64.{'f32' if src == torch.float32 else 'f16'}"}, cvts
+
+
 #: Pairs covering every Numba load/store kind combination (plain, f16, bf16; float32
 #: and float64 plain), each compiled for the parallel path below.
 PARALLEL_PAIRS = [

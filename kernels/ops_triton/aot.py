@@ -34,7 +34,7 @@ def compile_copy(cc: int, src=torch.float32, dst=torch.float32, scaled=False, to
     cx = F.copy_constexprs(src if to_flat else dst, dst if to_flat else src, scaled, to_flat,
                            aligned, block or F.DEFAULT_BLOCK)
     flat_ty = cx["STORE"] if to_flat else cx["SRC"]
-    signature = {"table": "*i64", "n_tensors": "i64", "flat": _ty(flat_ty), "scale": "fp64"}
+    signature = {"table": "*i64", "n_tensors": "i32", "flat": _ty(flat_ty), "scale": "fp64"}
     return compile_kernel(F._copy_kernel, signature, cx, cc, aligned_args=("table", "flat")).asm["ptx"]
 
 
@@ -43,5 +43,5 @@ def compile_reduce(cc: int, dtype=torch.float32, n_sources: int = 4, aligned=Tru
     from . import reduce_add as R
 
     cx = R.reduce_constexprs(dtype, n_sources, aligned, block or R.DEFAULT_BLOCK)
-    signature = {"table": "*i64", "n_tensors": "i64"}
+    signature = {"table": "*i64", "n_tensors": "i32"}
     return compile_kernel(R._reduce_add_kernel, signature, cx, cc, aligned_args=("table",)).asm["ptx"]

@@ -33,6 +33,8 @@ def _reduce_add_kernel(
     each destination element once."""
     pid = tl.program_id(0).to(tl.int64)
     n_blocks = tl.num_programs(0).to(tl.int64)
+    # Passed as i32 below 2**31 (a constant when 1): table offsets in 64 bits.
+    n_tensors = tl.cast(n_tensors, tl.int64)
     base = (K + 2) * n_tensors
     t = tl.load(table + base + n_blocks + pid)
     start = tl.load(table + base + pid)
@@ -45,7 +47,13 @@ def _reduce_add_kernel(
     if ALIGN > 1:
         idx = tl.max_contiguous(tl.multiple_of(idx, BLOCK), BLOCK)
     mask = idx < n
-    acc = tl.full([BLOCK], 0, COMPUTE)  # (tl.zeros is itself @jit: see _common.Kernel)
+    # -0.0, the identity of float addition (0.0 + -0.0 is +0.0: a sum of -0.0s would
+    # come out +0.0, unlike torch's and the Numba kernel's). (tl.zeros is itself @jit:
+    # see _common.Kernel.)
+    if COMPUTE == tl.int64:
+        acc = tl.full([BLOCK], 0, COMPUTE)
+    else:
+        acc = tl.full([BLOCK], -0.0, COMPUTE)
     for k in tl.static_range(K):
         a = tl.load(table + k * n_tensors + t)
         if ALIGN > 1:

@@ -53,6 +53,8 @@ def _scale_kernel(
     # below when these come back from a @jit helper, and then emits scalar accesses.
     pid = tl.program_id(0).to(tl.int64)
     n_blocks = tl.num_programs(0).to(tl.int64)
+    # Passed as i32 below 2**31 (a constant when 1): table offsets in 64 bits.
+    n_tensors = tl.cast(n_tensors, tl.int64)
     t = tl.load(table + 3 * n_tensors + n_blocks + pid)
     start = tl.load(table + 3 * n_tensors + pid)
     addr = tl.load(table + t)
