@@ -127,7 +127,7 @@ class ResultCache:
             max_bytes = int(float(os.environ.get("FASTPAR_RESULT_CACHE_MB", "1024")) * (1 << 20))
         self.max_bytes = max_bytes
         self.per_key = per_key
-        self._slots: dict = {}  # (dtype, numel) -> [(buf, idle use count)], oldest key first
+        self._slots: dict = {}  # (dtype, numel, inference mode) -> [IdleBuffer], oldest key first
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -142,7 +142,9 @@ class ResultCache:
         nbytes = numel * dtype.itemsize
         if device.type != "cpu" or nbytes > self.max_bytes or nbytes < _MIN_BYTES:
             return empty(numel, dtype=dtype, device=device), False
-        key = (dtype, numel)
+        # Buffers made in inference mode are inference tensors: handed out only there
+        # (outside, a result could not be modified in place or saved for backward).
+        key = (dtype, numel, torch.is_inference_mode_enabled())
         with self._lock:
             slots = self._slots.pop(key, [])
             self._slots[key] = slots  # most recently used last

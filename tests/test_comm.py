@@ -162,6 +162,26 @@ def test_reduce_add_coalesced_complex_as_real_views(backend, cdtype):
     assert_unchanged(conj_out, before, what="rejected conjugated out")
 
 
+def test_result_buffers_made_in_inference_mode_stay_there():
+    """Reused result buffers are keyed on inference mode: a buffer first made under
+    ``torch.inference_mode()`` (an inference tensor) was handed back to ordinary calls,
+    whose results then refused in-place updates and backward."""
+    import gc
+
+    a, b = torch.ones(1 << 21), torch.ones(1 << 21)  # 8 MB: large enough to be kept
+    with torch.inference_mode():
+        (r,) = comm.reduce_add_coalesced([[a], [b]], "cpu")
+        assert r.is_inference()
+    del r
+    gc.collect()
+    (r,) = comm.reduce_add_coalesced([[a], [b]], "cpu")
+    assert not r.is_inference()
+    r.add_(1)
+    w = torch.ones(1 << 21, requires_grad=True)
+    (r * w).sum().backward()
+    assert torch.equal(w.grad, torch.full_like(w, 3.0))
+
+
 def test_reduce_into_inference_out_only_in_inference_mode():
     lists = [[torch.randn(3), torch.randn(2)] for _ in range(2)]
     with torch.inference_mode():

@@ -320,3 +320,20 @@ def test_third_order_gradient_through_replicate_counts_every_replica():
 
     dp = fastpar.DataParallel(m, device_ids=["cpu", "cpu"])
     torch.testing.assert_close(third(lambda: dp(x)), third(lambda: m(x)))
+
+
+def test_replicas_made_after_inference_mode_train():
+    """A replica buffer first filled under ``torch.inference_mode()`` and refilled
+    outside it gives ordinary parameters (views made outside inference mode)."""
+    import gc
+
+    m = nn.Linear(64, 64)
+    with torch.inference_mode():
+        reps = replicate(m, ["cpu", "cpu"])
+        assert reps[1].weight.is_inference()
+    del reps
+    gc.collect()
+    reps = replicate(m, ["cpu", "cpu"])
+    assert not reps[1].weight.is_inference()
+    reps[1](torch.randn(3, 64)).sum().backward()
+    assert m.weight.grad is not None
