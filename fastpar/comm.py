@@ -27,6 +27,7 @@ and returned by :func:`reduce_path`:
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import warnings
@@ -166,6 +167,7 @@ def broadcast(tensor, devices=None, *, out=None):
                 f"out[{i}] must match tensor (shape {tuple(tensor.shape)}, {tensor.dtype}), "
                 f"got shape {tuple(o.shape)}, {o.dtype}"
             )
+    _check_copy_targets(outs, "out")
     for o in outs:
         o.copy_(tensor)
     return tuple(outs)
@@ -177,6 +179,24 @@ def _out_list(out, name: str) -> list:
     for i, o in enumerate(out):
         _check_tensor(o, f"{name}[{i}]")
     return list(out)
+
+
+def _check_copy_targets(outs, name: str) -> None:
+    """What ``copy_`` into each of ``outs`` would refuse, checked for all of them before
+    the first is written (a refusal half-way left earlier outputs written)."""
+    for i, o in enumerate(outs):
+        _check_copy_target(o, f"{name}[{i}]")
+
+
+def _check_copy_target(o: torch.Tensor, label: str) -> None:
+    if o.is_inference() and not torch.is_inference_mode_enabled():
+        raise RuntimeError(f"{label} is an inference tensor; it can only be written inside torch.inference_mode()")
+    base = o._base if o._is_view() else o
+    if torch.is_grad_enabled() and base.is_leaf and base.requires_grad:
+        what = "a leaf tensor" if base is o else "a view of a leaf tensor"
+        raise RuntimeError(f"{label} is {what} that requires grad; it can only be written under torch.no_grad()")
+    if torch._debug_has_internal_overlap(o) == 1:
+        raise RuntimeError(f"{label} has elements that share memory (e.g. made by expand()); it cannot be written")
 
 
 def broadcast_coalesced(tensors, devices, buffer_size=_DEFAULT_BUFFER):
@@ -580,6 +600,9 @@ def scatter(tensor, devices=None, chunk_sizes=None, dim=0, streams=None, *, out=
         raise ValueError("tensor must have at least one dimension to scatter, got a 0-dim tensor")
     dim = _dim(dim, tensor.dim())
     size = tensor.size(dim)
+    # As torch's: streams[i] (when there is one) orders the copy to the i-th device; a
+    # shorter list leaves the rest on the current stream.
+    streams = None if streams is None else list(streams)
     if out is not None:
         outs = _out_list(out, "out")
         if chunk_sizes is not None:
@@ -595,10 +618,13 @@ def scatter(tensor, devices=None, chunk_sizes=None, dim=0, streams=None, *, out=
                 )
         if sum(sizes) != size:
             raise ValueError(f"the sizes of out along dim {dim} must sum to {size}, got {sizes} (sum {sum(sizes)})")
-        for o, chunk in zip(outs, tensor.split(sizes, dim)):
+        _check_streams(streams, [o.device for o in outs], "out")
+        _check_copy_targets(outs, "out")
+        for i, (o, chunk) in enumerate(zip(outs, tensor.split(sizes, dim))):
             # Asynchronous only into device memory: into host memory (pinned) it could
             # still be running when the caller reads ``out``.
-            o.copy_(chunk, non_blocking=o.is_cuda)
+            with _on_stream(streams, i):
+                o.copy_(chunk, non_blocking=o.is_cuda)
         return tuple(outs)
     # A device may take several chunks, as in torch's (Gather's backward scatters to
     # its inputs' devices, which may repeat).
@@ -617,26 +643,32 @@ def scatter(tensor, devices=None, chunk_sizes=None, dim=0, streams=None, *, out=
                 f"chunk_sizes must sum to tensor.size({dim}) = {size}, got {sizes} (sum {sum(sizes)})"
             )
         chunks = tensor.split(sizes, dim)
-    if streams is not None:
-        if len(streams) < len(devs):
-            raise ValueError(f"streams must have one entry per device ({len(devs)}), got {len(streams)}")
-        streams = streams[: len(devs)]  # a short dim leaves some devices without a chunk
-        for i, (s, d) in enumerate(zip(streams, devs)):
-            if s is not None and d.type == "cuda" and s.device != d:
-                # As torch's scatter: a stream of another device would order nothing here.
-                raise ValueError(f"streams[{i}] is a stream of {s.device}, but devices[{i}] is {d}")
+    _check_streams(streams, devs, "devices")  # (a short dim leaves devices without a chunk)
     result = []
     for i, (chunk, d) in enumerate(zip(chunks, devs)):
         if chunk.device == d:
             result.append(chunk)  # already there: a view, not a copy
-        elif streams is not None and streams[i] is not None:
-            with torch.cuda.stream(streams[i]):
-                result.append(chunk.to(d, non_blocking=d.type == "cuda"))
         else:
             # A device-to-host copy stays synchronous: with non_blocking, torch returns
             # pinned memory that the copy may still be writing.
-            result.append(chunk.to(d, non_blocking=d.type == "cuda"))
+            with _on_stream(streams, i):
+                result.append(chunk.to(d, non_blocking=d.type == "cuda"))
     return tuple(result)
+
+
+def _check_streams(streams, devs, name: str) -> None:
+    """As torch's scatter: a stream of another device than its target would order
+    nothing there. Checked before any copy."""
+    for i, (st, d) in enumerate(zip(streams or (), devs)):
+        if st is not None and d.type == "cuda" and st.device != d:
+            raise ValueError(f"streams[{i}] is a stream of {st.device}, but {name}[{i}] is {d}")
+
+
+def _on_stream(streams, i: int):
+    """``torch.cuda.stream(streams[i])``, or no change where there is none."""
+    if streams is not None and i < len(streams) and streams[i] is not None:
+        return torch.cuda.stream(streams[i])
+    return contextlib.nullcontext()
 
 
 def _shared_memory_format(ts) -> torch.memory_format:
@@ -697,6 +729,7 @@ def gather(tensors, dim=0, destination=None, *, out=None):
         _check_tensor(out, "out")
         if list(out.shape) != shape or out.dtype != t0.dtype:
             raise ValueError(f"out must have shape {tuple(shape)} and dtype {t0.dtype}, got {tuple(out.shape)}, {out.dtype}")
+        _check_copy_target(out, "out")
         dst = out.device
     else:
         devs = [t.device for t in ts]
@@ -715,8 +748,11 @@ def gather(tensors, dim=0, destination=None, *, out=None):
             out = _alloc.empty(shape, dtype=t0.dtype, device=dst)
         else:  # as torch's gather: a layout every input shares is kept
             out = torch.empty(shape, dtype=t0.dtype, device=dst, memory_format=fmt)
+    # (Not when autograd would record the copies, as it records torch's: the one-launch
+    # copy is invisible to it.)
+    tracked = torch.is_grad_enabled() and (out.requires_grad or any(t.requires_grad for t in ts))
     if dim == 0 and out.is_contiguous() and all(t.device == dst for t in ts) and out.numel() \
-            and out.element_size() in (1, 2, 4, 8):
+            and out.element_size() in (1, 2, 4, 8) and not tracked:
         # Rows of a contiguous result along dim 0 are the inputs laid end to end: one
         # flatten launch instead of one copy per input (flatten moves elements of up to
         # 8 bytes; complex128 takes the copies below).

@@ -585,6 +585,81 @@ def test_gather_to_minus_one_warns_as_torch():
         out = comm.gather(ts, 0, -1)
     assert out.device.type == "cpu" and torch.equal(out, torch.cat(ts))
 
+@pytest.mark.parametrize("dim", [0, 1])
+def test_gather_records_autograd_as_torch(dim):
+    """torch's gather copies with copy_, which autograd records; the one-launch dim-0
+    path does not, so it is only taken when nothing requires grad."""
+    a = torch.randn(2, 3, requires_grad=True)
+    b = torch.randn(1 if dim == 0 else 2, 3, requires_grad=True)
+    g = comm.gather([a, b], dim, "cpu")
+    assert g.requires_grad and g.grad_fn is not None
+    w = torch.randn(g.shape)
+    (g * w).sum().backward()
+    wa, wb = w.split([a.size(dim), b.size(dim)], dim)
+    assert torch.equal(a.grad, wa) and torch.equal(b.grad, wb)
+    with torch.no_grad(), fastpar.use_backend("numba"), fastpar.count_launches() as n:
+        comm.gather([a, b], 0, "cpu") if dim == 0 else None
+    assert n.total == (1 if dim == 0 else 0)  # no autograd to record: one launch
+
+
+def _leaf_rg(*shape):
+    return torch.zeros(*shape, requires_grad=True)
+
+
+def _inference(*shape):
+    with torch.inference_mode():
+        return torch.zeros(*shape)
+
+
+@pytest.mark.parametrize("op", ["broadcast", "scatter"])
+@pytest.mark.parametrize("make,match", [
+    (_leaf_rg, r"out\[1\] is a leaf tensor that requires grad"),
+    (lambda *s: _leaf_rg(*s).view(s), r"out\[1\] is a view of a leaf tensor that requires grad"),
+    (_inference, r"out\[1\] is an inference tensor"),
+    (lambda *s: torch.zeros(s[-1]).expand(*s), r"out\[1\] has elements that share memory"),
+], ids=["leaf", "view-of-leaf", "inference", "expanded"])
+def test_broadcast_and_scatter_out_refusals_write_nothing(op, make, match):
+    """What copy_ would refuse is checked for every out first: a refusal at out[1] used
+    to leave out[0] written."""
+    t = torch.randn(4, 2)
+    shape = (4, 2) if op == "broadcast" else (2, 2)
+    out = [poisoned(*shape), make(*shape)]
+    before = snapshot(out[:1])
+    with pytest.raises(RuntimeError, match=match):
+        getattr(comm, op)(t, out=out)
+    assert_unchanged(out[:1], before, what=f"out[0] of a rejected {op}")
+
+
+def test_out_leaf_requiring_grad_is_written_under_no_grad():
+    t = torch.randn(4, 2)
+    out = [_leaf_rg(4, 2), _leaf_rg(4, 2)]
+    with torch.no_grad():
+        comm.broadcast(t, out=out)
+        comm.scatter(t, out=[out[0][:1], out[1][:3]])
+    assert torch.equal(out[0][:1], t[:1]) and torch.equal(out[1][:3], t[1:])
+
+
+def test_scatter_takes_fewer_streams_than_devices():
+    # As torch's: streams[i] where given, the current stream for the rest.
+    x = torch.randn(6, 3)
+    chunks = comm.scatter(x, ["cpu", "cpu", "cpu"], None, 0, [None])
+    assert [c.shape[0] for c in chunks] == [2, 2, 2] and torch.equal(torch.cat(chunks), x)
+    outs = [poisoned(3, 3), poisoned(3, 3)]
+    comm.scatter(x, streams=[None], out=outs)
+    assert torch.equal(torch.cat(outs), x)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_cuda_scatter_out_copies_on_the_given_streams():
+    x = torch.randn(1 << 20, 4, device="cuda")
+    s = torch.cuda.Stream()
+    outs = [torch.empty(1 << 19, 4, device="cuda") for _ in range(2)]
+    s.wait_stream(torch.cuda.current_stream())
+    comm.scatter(x, streams=[s, s], out=outs)
+    s.synchronize()
+    assert torch.equal(torch.cat(outs), x)
+
+
 def test_gather_out():
     ts = [torch.randn(2, 3), torch.randn(1, 3)]
     out = poison_(torch.empty(3, 3))
