@@ -81,8 +81,10 @@ def _device(d, name: str) -> torch.device:
 
 def _devices(devices, name: str, *, unique: bool = True) -> list[torch.device]:
     """``devices`` as torch.devices; with ``unique``, no CUDA device may repeat."""
-    if isinstance(devices, (str, int, torch.device)) or not isinstance(devices, (list, tuple)):
+    if isinstance(devices, (str, bytes, int, torch.device, torch.Tensor)) or not hasattr(devices, "__iter__"):
         raise TypeError(f"{name} must be a list or tuple of devices, got {type(devices).__name__}")
+    if not isinstance(devices, (list, tuple)):
+        devices = list(devices)  # any iterable, as torch's take (a generator, a range)
     if not devices:
         raise ValueError(f"{name} must name at least one device, got an empty {type(devices).__name__}")
     devs = [_device(d, f"{name}[{i}]") for i, d in enumerate(devices)]
@@ -219,6 +221,8 @@ def broadcast_coalesced(tensors, devices, buffer_size=_DEFAULT_BUFFER):
     """
     devs = _devices(devices, "devices")
     _check_buffer_size(buffer_size)
+    if isinstance(tensors, (list, tuple)) and not tensors:
+        return [[] for _ in devs]  # as torch's: an empty list per device
     plan = plan_for(tensors, "tensors")
     if plan.device != devs[0]:
         raise ValueError(f"tensors must be on devices[0] ({devs[0]}), got tensors on {plan.device}")
@@ -325,14 +329,26 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
         into a sparse result, a position sparse on some devices only is densified.
     """
     _check_buffer_size(buffer_size)
+    if not isinstance(inputs, (list, tuple)) and hasattr(inputs, "__iter__") and not isinstance(inputs, torch.Tensor):
+        inputs = list(inputs)  # any iterable of per-device lists, as torch's takes
     if not isinstance(inputs, (list, tuple)) or not inputs:
         raise TypeError(f"inputs must be a non-empty list of per-device tensor lists, got {inputs!r:.80}")
+    if out is None and all(isinstance(lst, (list, tuple)) and not lst for lst in inputs):
+        return ()  # as torch's: nothing to sum
     try:
         plans = [plan_for(lst, f"inputs[{k}]") for k, lst in enumerate(inputs)]
     except TypeError:
         # Looked for only once the fast path has refused the lists (no per-call scan).
-        if out is None and _has_sparse(inputs):
-            return _reduce_with_sparse(inputs, destination, buffer_size)
+        if _has_sparse(inputs):
+            if out is None:
+                return _reduce_with_sparse(inputs, destination, buffer_size)
+            k, i = next((k, i) for k, lst in enumerate(inputs) for i, t in enumerate(lst)
+                        if isinstance(t, torch.Tensor) and t.layout == torch.sparse_coo)
+            raise TypeError(
+                f"inputs[{k}][{i}] has layout torch.sparse_coo; sparse COO tensors are summed only with "
+                "out=None (into new sparse or dense results, as torch's reduce_add_coalesced); densify "
+                "them to reduce into out"
+            ) from None
         raise
     devs = [p.device for p in plans]
     _check_device_set(devs, "inputs' devices", unique=False)

@@ -660,6 +660,29 @@ def test_cuda_scatter_out_copies_on_the_given_streams():
     assert torch.equal(torch.cat(outs), x)
 
 
+def test_empty_lists_and_iterables_as_torch():
+    """torch's reduce_add_coalesced of empty lists returns (), its broadcast_coalesced of
+    an empty list an empty list per device, and both take any iterable of devices or
+    lists."""
+    assert comm.reduce_add_coalesced([[], []], "cpu") == ()
+    assert comm.broadcast_coalesced([], ["cpu", "cpu"]) == [[], []]
+    t = torch.randn(3)
+    assert all(torch.equal(c, t) for c in comm.broadcast(t, (d for d in ["cpu", "cpu"])))
+    (r,) = comm.reduce_add_coalesced(iter([[t], [t]]), "cpu")
+    assert torch.equal(r, 2 * t)
+    with pytest.raises(TypeError, match="devices must be a list or tuple of devices, got str"):
+        comm.broadcast(t, "cpu")
+
+
+def test_sparse_with_out_says_out_is_the_reason():
+    s = torch.sparse_coo_tensor([[0, 1]], [1.0, 2.0], (3,))
+    out = [poisoned(3)]
+    before = snapshot(out)
+    with pytest.raises(TypeError, match=r"inputs\[0\]\[0\] has layout torch.sparse_coo; sparse COO tensors are summed only with out=None"):
+        comm.reduce_add_coalesced([[s], [s]], "cpu", out=out)
+    assert_unchanged(out, before, what="rejected sparse reduce into out")
+
+
 def test_gather_out():
     ts = [torch.randn(2, 3), torch.randn(1, 3)]
     out = poison_(torch.empty(3, 3))
