@@ -675,7 +675,7 @@ def test_empty_lists_and_iterables_as_torch():
 
 
 def test_sparse_with_out_says_out_is_the_reason():
-    s = torch.sparse_coo_tensor([[0, 1]], [1.0, 2.0], (3,))
+    s = torch.tensor([1.0, 2.0, 0.0]).to_sparse()
     out = [poisoned(3)]
     before = snapshot(out)
     with pytest.raises(TypeError, match=r"inputs\[0\]\[0\] has layout torch.sparse_coo; sparse COO tensors are summed only with out=None"):
