@@ -293,8 +293,29 @@ def reduce_add(inputs, destination=None):
         _check_reducible(t0.dtype, "inputs")
     if len(tensors) == 1:
         return tensors[0]  # as torch: nothing to add
+    perm = _dense_order(tensors)
+    if perm is not None:
+        # Inputs laid out alike but not contiguously (channels_last, transposed): the
+        # result gets their layout, as torch's ``+`` gives it, and they are summed as
+        # the contiguous permuted views they are (no staging copies).
+        result = torch.empty_like(t0, device=dst)
+        reduce_add_coalesced([[t.permute(perm)] for t in tensors], dst, out=[result.permute(perm)])
+        return result
     [result] = reduce_add_coalesced([[t] for t in tensors], dst)
     return result
+
+
+def _dense_order(tensors):
+    """The dimension order (outermost first) in which every tensor of ``tensors`` is
+    contiguous, when they share one that is not the plain order; else None."""
+    t0 = tensors[0]
+    if t0.dim() < 2 or t0.is_contiguous() or t0.layout != torch.strided:
+        return None
+    perm = sorted(range(t0.dim()), key=lambda d: (-t0.stride(d), d))
+    if all(t.layout == torch.strided and t.stride() == t0.stride() and t.permute(perm).is_contiguous()
+           for t in tensors):
+        return perm
+    return None
 
 
 def _check_reducible(dtype, name: str) -> None:

@@ -82,6 +82,19 @@ def test_reduce_add_keeps_negative_zero(backend, dtype):
     assert torch.equal(torch.signbit(got), torch.signbit(exp)) and torch.equal(got, exp), (got, exp)
 
 
+@pytest.mark.parametrize("layout", ["channels_last", "transposed"])
+def test_reduce_add_keeps_a_shared_layout(backend, layout):
+    """As torch's ``+``: inputs laid out alike give a result laid out so."""
+    if layout == "channels_last":
+        ts = [torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last) for _ in range(3)]
+    else:
+        ts = [torch.randn(6, 7).t() for _ in range(3)]
+    got = comm.reduce_add(ts, "cpu")
+    exp = ts[0] + ts[1] + ts[2]
+    assert got.stride() == exp.stride(), (got.stride(), exp.stride())
+    assert_close(got, ts[0].double() + ts[1].double() + ts[2].double(), dtype=torch.float32)
+
+
 def test_reduce_add_coalesced_results_are_independent_tensors(backend):
     # Results share buffers, but as separately allocated tensors would behave: an in-place
     # write to one neither changes nor bumps the version of another (they are not
