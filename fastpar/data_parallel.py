@@ -1,6 +1,7 @@
 """``fastpar.DataParallel``: a drop-in for ``torch.nn.DataParallel`` on fastpar's kernels."""
 from __future__ import annotations
 
+import threading
 import warnings
 from itertools import chain
 from typing import TypeVar
@@ -150,14 +151,30 @@ class DataParallel(torch.nn.DataParallel[T]):
         return gather(outputs, output_device, dim=self.dim)
 
 
+#: Held while a forward packs the module's RNN weights: two first forwards at once
+#: would rebind the same weights under each other's replicas.
+_FLATTEN_LOCK = threading.Lock()
+
+
 def _flatten_rnns(module) -> None:
-    """Pack the module's own RNN weights in the layout cuDNN wants (once; the Parameter
-    objects are kept), so the replica on ``device_ids[0]``, which shares them, is as flat
-    as the others. An RNN whose weights cannot be packed (tied, parametrized, of mixed
-    dtypes or devices: what :func:`fastpar.rnn.flatten_parameters` refuses) is left as it
-    is, as torch's ``RNNBase.flatten_parameters`` leaves it (its slower copying path)."""
-    for m in module.modules():
-        if isinstance(m, torch.nn.RNNBase) and not rnn.is_flat(m):
+    """On CUDA, pack the module's own RNN weights in the layout cuDNN wants (once; the
+    Parameter objects are kept), so the replica on ``device_ids[0]``, which shares them,
+    is as flat as the others. An RNN whose weights cannot be packed (tied, parametrized,
+    of mixed dtypes or devices: what :func:`fastpar.rnn.flatten_parameters` refuses) is
+    left as it is, as torch's ``RNNBase.flatten_parameters`` leaves it (its slower
+    copying path).
+
+    Not on the CPU, where there is no cuDNN to feed: repacking rebinds the live weights
+    (``set_``), which breaks a graph built through the module before, as torch's CPU
+    modules are never repacked."""
+    rnns = [m for m in module.modules() if isinstance(m, torch.nn.RNNBase)]
+    if not rnns or all(rnn.is_flat(m) for m in rnns):
+        return
+    with _FLATTEN_LOCK:
+        for m in rnns:
+            w = next(iter(m._flat_weights), None)
+            if w is None or w.device.type != "cuda" or rnn.is_flat(m):
+                continue
             try:
                 rnn._flatten_checks(m)
             except (TypeError, ValueError, RuntimeError):

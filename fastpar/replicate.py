@@ -148,7 +148,10 @@ def _members(modules, kind: str) -> list:
     order, each once, without another walk of the module tree."""
     seen, out = set(), []
     for m in modules:
-        for t in m.__dict__[kind].values():
+        # Through the attribute where the instance dict lacks it (a torch.jit.trace'd
+        # module serves ``_parameters`` from C++ through ``__getattr__``).
+        members = m.__dict__[kind] if kind in m.__dict__ else getattr(m, kind)
+        for t in members.values():
             if t is not None and id(t) not in seen:
                 seen.add(id(t))
                 out.append(t)

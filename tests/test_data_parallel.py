@@ -130,17 +130,59 @@ def test_state_dict_keys_match_torch():
 
 
 def test_replica_rnns_are_flat_and_params_contiguous():
+    """Replicas 1.. get their RNN weights packed by replicate; replica 0 is the module
+    itself, which on the CPU (no cuDNN) is left as it is: repacking it would rebind its
+    live weights under a graph built before (as torch's CPU modules are never repacked)."""
     model = Net()
+    before = [w.data_ptr() for w in model.lstm._flat_weights]
     dp = DataParallel(model, device_ids=["cpu", "cpu"])
-    seen = {}
+    own = {w.data_ptr() for m in (model.lstm, model.gru) for w in m._flat_weights}
+    seen = []
 
     def hook(mod, args, out):
-        seen[threading.get_ident(), id(mod)] = rnn.is_flat(mod)
+        # (replica 0, whose weights are the module's own; packed)
+        seen.append((mod._flat_weights[0].data_ptr() in own, rnn.is_flat(mod)))
 
     for m in (model.lstm, model.gru):
         m.register_forward_hook(hook)
     dp(torch.randint(0, 20, (4, 3)))
-    assert len(seen) == 4 and all(seen.values()), seen
+    assert sorted(seen) == [(False, True), (False, True), (True, False), (True, False)], seen
+    assert [w.data_ptr() for w in model.lstm._flat_weights] == before, "the module's weights were rebound"
+
+
+def test_first_forward_does_not_break_a_graph_built_before():
+    model = nn.LSTM(4, 8, num_layers=2)
+    x = torch.randn(5, 3, 4)
+    y = model(x)[0].sum()  # saves the weights for backward
+    DataParallel(model, device_ids=["cpu", "cpu"], dim=1)(x)
+    y.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated")
+@pytest.mark.parametrize("traced", ["root", "child"])
+def test_traced_modules_replicate(traced):
+    class T(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    torch.manual_seed(0)
+    t = torch.jit.trace(T().double(), torch.randn(2, 3, dtype=torch.float64))
+    model = t if traced == "root" else nn.Sequential(t)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    out = DataParallel(model, device_ids=["cpu", "cpu"])(x)
+    out.sum().backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ref = model(x)
+    ref.sum().backward()
+    assert_close(out, ref, what="traced output")
+    for g, p in zip(got, model.parameters()):
+        assert_close(g, p.grad, what="traced grad")
 
 
 class _RNNNet(nn.Module):
