@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 
 from . import comm, rnn
+from .kernels import _launch as _kernels_launch  # noqa: F401  (pins the PID forked children compare with)
 from ._dispatch import backend_for, use_backend
 from ._flatten import flatten, unflatten, unflatten_into
 from ._plan import clear_plan_cache

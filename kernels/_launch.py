@@ -2,7 +2,27 @@
 from __future__ import annotations
 
 import collections
+import os
 import threading
+
+#: The process ``fastpar`` was imported in (``fastpar/__init__`` imports this module).
+#: A forked child of it has another PID: see :func:`forked`.
+IMPORT_PID = os.getpid()
+
+
+def forked() -> bool:
+    """True in a process forked after ``fastpar`` was imported, or in a DataLoader
+    worker (which may have been forked before fastpar was first imported there).
+
+    GNU OpenMP, which torch and Numba's ``omp`` layer share, cannot start a parallel
+    region in a forked child once its parent has used it: the child is killed
+    ("fork() called from a process already using GNU OpenMP") or waits forever at the
+    region's barrier. Launchers run serially where this is True."""
+    if os.getpid() != IMPORT_PID:
+        return True
+    from torch.utils.data import get_worker_info
+
+    return get_worker_info() is not None
 
 
 class LaunchCounter:

@@ -896,6 +896,75 @@ def test_forked_child_can_use_cached_plans_and_kernels(size):
     )
 
 
+def test_scale_beyond_float32_range_is_inf_without_a_warning(backend):
+    """torch computes ``x * 1e300`` for float32 ``x`` in float32: +-inf, silently."""
+    import warnings
+
+    x = torch.tensor([1.0, -2.0, 3.5])
+    with warnings.catch_warnings():
+        # (The Triton interpreter's own numpy cast warns; a GPU does not.)
+        warnings.simplefilter("ignore" if backend == "triton" else "error", RuntimeWarning)
+        got = fastpar.flatten([x], scale=1e300)
+    assert torch.equal(got, x * 1e300), got
+
+
+_FORK_SCRIPT = """
+import os, sys, torch, fastpar
+case = sys.argv[1]
+w = torch.randn(1 << 20)
+w.mul_(2)  # the parent uses torch's OpenMP first, as any training step does
+ts = [torch.full((1 << 20,), float(i)) for i in range(2)]  # 8 MiB: a parallel launch
+if case == "bound":  # a launch bound in the parent (as the DDP hooks cache them), run in the child
+    import fastpar.ddp as fddp
+    from fastpar.kernels.ops_numba import flatten as F
+    buf = torch.randn(1 << 21)
+    low = torch.empty(1 << 21, dtype=torch.bfloat16)
+    run = F.bind_copy(fddp._Bucket(buf).group, low, 0.5, True, parallel_min_bytes=0)
+    run()
+if case == "loader":  # a DataLoader worker whose collate_fn flattens
+    class DS(torch.utils.data.Dataset):
+        def __len__(self):
+            return 2
+        def __getitem__(self, i):
+            return ts[i]
+    dl = torch.utils.data.DataLoader(DS(), batch_size=2, num_workers=1, collate_fn=fastpar.flatten, timeout=60)
+    (b,) = list(dl)
+    sys.exit(0 if torch.equal(b, torch.cat(ts)) else 2)
+pid = os.fork()
+if pid == 0:
+    code = 1
+    try:
+        torch.set_num_threads(1)
+        if case == "bound":
+            low.fill_(0)
+            run()
+            code = 0 if torch.equal(low, (buf * 0.5).bfloat16()) else 2
+        else:  # the Numba kernels first imported in the child
+            code = 0 if torch.equal(fastpar.flatten(ts), torch.cat(ts)) else 2
+    finally:
+        os._exit(code)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.parametrize("case", ["first_import", "bound", "loader"])
+def test_forked_child_runs_parallel_launches_serially(case):
+    """GNU OpenMP (shared by torch and Numba's omp layer) hangs or kills a forked child
+    that starts a parallel region after its parent used it: the child must run every
+    launch serially, also when the kernels are first imported in the child, when the
+    launch was bound in the parent, and in a DataLoader worker."""
+    import subprocess
+    import sys
+
+    try:
+        res = subprocess.run([sys.executable, "-c", _FORK_SCRIPT, case], capture_output=True, text=True,
+                             timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{case}: the forked child hung")
+    assert res.returncode == 0, f"{case}: exit {res.returncode}\n{res.stderr[-2000:]}"
+
+
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 @pytest.mark.parametrize("to_flat", [True, False], ids=["flatten", "unflatten_into"])
 def test_numba_streamed_plain_copy(dtype, to_flat):

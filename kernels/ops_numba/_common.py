@@ -11,7 +11,6 @@ for bit.
 from __future__ import annotations
 
 import contextlib
-import os
 import platform
 import threading
 
@@ -22,6 +21,8 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from .. import _launch
 
 # torch dtype -> (kind, numpy storage dtype). The kind picks the load/store pair.
 KINDS: dict[torch.dtype, tuple[str, type]] = {
@@ -152,8 +153,12 @@ def storage(dtype: torch.dtype, raw: bool):
 
 
 def compute_scale(src: torch.dtype, dst: torch.dtype, scale: float):
-    """The scale in the compute type: float64 if either side is float64, else float32."""
-    return np.float64(scale) if torch.float64 in (src, dst) else np.float32(scale)
+    """The scale in the compute type: float64 if either side is float64, else float32
+    (a scale beyond float32's range becomes inf, as torch's, without numpy's warning)."""
+    if torch.float64 in (src, dst):
+        return np.float64(scale)
+    with np.errstate(over="ignore"):
+        return np.float32(scale)
 
 
 # ---------------------------------------------------------------------------------------
@@ -256,9 +261,6 @@ else:
 # ---------------------------------------------------------------------------------------
 # Parallel regions and fork.
 
-_PID = os.getpid()
-
-
 #: Held while a parallel kernel runs. Numba's ``workqueue`` threading layer (what it
 #: uses where neither TBB nor GNU OpenMP is installed) aborts the process when two
 #: threads enter parallel regions at once ("Concurrent access has been detected"), and
@@ -274,8 +276,9 @@ def launch_lock(parallel: bool):
 
 
 def parallel_ok() -> bool:
-    """False in a process forked from the one that loaded these kernels (a DataLoader
-    worker, say). With GNU OpenMP (Numba's ``omp`` layer on Linux), a forked child that
-    starts a parallel region after its parent did is killed with SIGTERM ("fork() called
-    from a process already using GNU OpenMP"), so launchers run serially there."""
-    return os.getpid() == _PID
+    """False in a forked child or a DataLoader worker (:func:`fastpar.kernels._launch.forked`):
+    with GNU OpenMP (Numba's ``omp`` layer on Linux, sharing torch's ``libgomp``), a
+    forked child that starts a parallel region after its parent did is killed with
+    SIGTERM ("fork() called from a process already using GNU OpenMP") or hangs at the
+    region's barrier, so launchers run serially there."""
+    return not _launch.forked()

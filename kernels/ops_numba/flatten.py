@@ -112,8 +112,12 @@ def bind_copy(group, flat: torch.Tensor, scale, to_flat: bool, *, chunk: int = D
     lock = C.launch_lock(parallel)
 
     def run() -> None:
-        with lock:
-            kernel(*args)
+        if parallel and not C.parallel_ok():
+            # Bound before a fork, run in the child: serially (see C.parallel_ok).
+            _copy_kernel_for(src_kind, dst_kind, scale is not None, to_flat, False, stream)(*args)
+        else:
+            with lock:
+                kernel(*args)
         record("numba", op)
 
     return run

@@ -92,8 +92,12 @@ def bind(group, factor: float, divide: bool, *, chunk: int = DEFAULT_CHUNK,
     lock = C.launch_lock(parallel)
 
     def run() -> None:
-        with lock:
-            kernel(*args)
+        if parallel and not C.parallel_ok():
+            # Bound before a fork, run in the child: serially (see C.parallel_ok).
+            _scale_kernel_for(kind, bool(divide), False)(*args)
+        else:
+            with lock:
+                kernel(*args)
         record("numba", "scale")
 
     return run
@@ -104,7 +108,8 @@ def scale(group, factor: float, divide: bool, *, chunk: int = DEFAULT_CHUNK,
     """Replace every tensor of ``group`` by ``t * factor`` (or ``t / factor`` when
     ``divide``), computed in float32 (float64 for float64 tensors) and rounded once to
     the tensor's dtype: what ``Tensor.mul_`` / ``Tensor.div_`` with a Python scalar
-    compute on CPU, bit for bit. One launch.
+    compute on CPU, bit for bit (a NaN's payload aside: torch's own
+    kernels give 0x7FC0 or 0xFFFF for a bfloat16 NaN, depending on the path). One launch.
 
     Args:
         group (Group): the tensors (float32, float64, float16 or bfloat16; one dtype).
