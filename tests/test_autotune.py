@@ -142,28 +142,35 @@ def test_small_space_winner_is_used_by_a_fresh_process(results, tmp_path_factory
     assert seen["kwargs"] == [{"chunk": 4096}, {}], "bucket 0 tuned, bucket 1 on defaults"
 
 
-def test_real_flatten_runner_quick(results):
-    """The packaged runner on a two-candidate space: a valid file whose winner a fresh
-    process's ``_tuning.params`` returns."""
+def _tune_one_candidate(results, op: str, **entry) -> dict:
+    """Tune the packaged ``op`` at 8192 elements on one Numba candidate (chunk 1024) and
+    return the results file (``entry`` overrides fields of the op's space entry)."""
     space = json.loads(_tuning.SPACE_PATH.read_text())
-    space["ops"] = {"flatten": dict(space["ops"]["flatten"], sizes=[8192], quick_sizes=[8192],
-                                    dtypes=[{"src": "float32", "dst": "bfloat16", "scale": 0.5}])}
-    space["ops"]["flatten"]["backends"] = {"numba": {"device": "cpu", "params": {
+    space["ops"] = {op: dict(space["ops"][op], sizes=[8192], quick_sizes=[8192], **entry)}
+    space["ops"][op]["backends"] = {"numba": {"device": "cpu", "params": {
         "chunk": {"values": [1024], "min": 1}, "parallel_min_bytes": {"values": [4194304], "min": 0}}}}
     p = results / "space.json"
     p.write_text(json.dumps(space))
-    result = autotune.tune(["flatten"], quick=True, space=p, devices=["cpu"], progress=False)
-    doc = json.loads(result[SLUG]["path"].read_text())
+    result = autotune.tune([op], quick=True, space=p, devices=["cpu"], progress=False)
+    return json.loads(result[SLUG]["path"].read_text())
+
+
+def _params_in_fresh_process(results, op: str, dst: str) -> dict:
+    return _fresh_process(results, f"""
+        import json, torch
+        from fastpar import _tuning
+        print(json.dumps(_tuning.params("{op}", "numba", torch.float32, torch.{dst}, 8192)))
+    """)
+
+
+def test_real_flatten_runner_quick(results):
+    """The packaged runner on a two-candidate space: a valid file whose winner a fresh
+    process's ``_tuning.params`` returns."""
+    doc = _tune_one_candidate(results, "flatten", dtypes=[{"src": "float32", "dst": "bfloat16", "scale": 0.5}])
     _tuning.validate_results(doc, slug=SLUG, current_versions=_tuning.versions())
     e = doc["entries"]["flatten/numba/float32->bfloat16/b0"]
     assert len(e["candidates"]) == 2 and e["input_sets"] >= 2 and e["cache_flushed"] is True
-    winner = e["winner"]["params"]
-    got = _fresh_process(results, """
-        import json, torch
-        from fastpar import _tuning
-        print(json.dumps(_tuning.params("flatten", "numba", torch.float32, torch.bfloat16, 8192)))
-    """)
-    assert got == winner
+    assert _params_in_fresh_process(results, "flatten", "bfloat16") == e["winner"]["params"]
 
 
 def test_real_reduce_add_runner_quick(results):
@@ -176,21 +183,9 @@ def test_real_reduce_add_runner_quick(results):
     for i in (0, len(copies[0]) - 1):
         expected = sum(c[i].double() for c in copies)
         torch.testing.assert_close(work.outputs[i].double(), expected)
-    space = json.loads(_tuning.SPACE_PATH.read_text())
-    space["ops"] = {"reduce_add": dict(space["ops"]["reduce_add"], sizes=[8192], quick_sizes=[8192])}
-    space["ops"]["reduce_add"]["backends"] = {"numba": {"device": "cpu", "params": {
-        "chunk": {"values": [1024], "min": 1}, "parallel_min_bytes": {"values": [4194304], "min": 0}}}}
-    p = results / "space.json"
-    p.write_text(json.dumps(space))
-    result = autotune.tune(["reduce_add"], quick=True, space=p, devices=["cpu"], progress=False)
-    doc = json.loads(result[SLUG]["path"].read_text())
+    doc = _tune_one_candidate(results, "reduce_add")
     winner = doc["entries"]["reduce_add/numba/float32->float32/b0"]["winner"]["params"]
-    got = _fresh_process(results, """
-        import json, torch
-        from fastpar import _tuning
-        print(json.dumps(_tuning.params("reduce_add", "numba", torch.float32, torch.float32, 8192)))
-    """)
-    assert got == winner
+    assert _params_in_fresh_process(results, "reduce_add", "float32") == winner
 
 
 # ----------------------------------------------------------------------------- bad files
