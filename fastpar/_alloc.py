@@ -116,7 +116,7 @@ class ResultCache:
     alive until the garbage collector runs: Numba's compiler leaves that call's frames
     in a reference cycle. Their buffer is then simply not reused until then.)
 
-    At most ``per_key`` buffers are kept per (dtype, numel) and ``max_bytes`` in all
+    At most ``per_key`` buffers are kept per (dtype, numel, inference mode) and ``max_bytes`` in all
     (least recently used keys dropped first: their memory is freed once their results
     die). ``FASTPAR_RESULT_CACHE_MB`` sets ``max_bytes`` (0 turns the cache off);
     :meth:`clear` drops every buffer.

@@ -82,7 +82,7 @@ def _device(d, name: str) -> torch.device:
 def _devices(devices, name: str, *, unique: bool = True) -> list[torch.device]:
     """``devices`` as torch.devices; with ``unique``, no CUDA device may repeat."""
     if isinstance(devices, (str, bytes, int, torch.device, torch.Tensor)) or not hasattr(devices, "__iter__"):
-        raise TypeError(f"{name} must be a list or tuple of devices, got {type(devices).__name__}")
+        raise TypeError(f"{name} must be an iterable of devices (a list or tuple), got {type(devices).__name__}")
     if not isinstance(devices, (list, tuple)):
         devices = list(devices)  # any iterable, as torch's take (a generator, a range)
     if not devices:
@@ -184,8 +184,12 @@ def _out_list(out, name: str) -> list:
 
 
 def _check_copy_targets(outs, name: str) -> None:
-    """What ``copy_`` into each of ``outs`` would refuse, checked for all of them before
-    the first is written (a refusal half-way left earlier outputs written)."""
+    """The commonest refusals of ``copy_`` into each of ``outs`` (an inference tensor
+    outside inference mode, a leaf or a view of a leaf that requires grad, elements
+    sharing memory), checked for all of them before the first is written (a refusal
+    half-way left earlier outputs written). Not every refusal: an output of ``unbind``
+    of a tensor requiring grad, or one partly overlapping the source, still fails in
+    its own ``copy_``."""
     for i, o in enumerate(outs):
         _check_copy_target(o, f"{name}[{i}]")
 

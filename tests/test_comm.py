@@ -610,9 +610,10 @@ def test_gather_records_autograd_as_torch(dim):
     (g * w).sum().backward()
     wa, wb = w.split([a.size(dim), b.size(dim)], dim)
     assert torch.equal(a.grad, wa) and torch.equal(b.grad, wb)
-    with torch.no_grad(), fastpar.use_backend("numba"), fastpar.count_launches() as n:
-        comm.gather([a, b], 0, "cpu") if dim == 0 else None
-    assert n.total == (1 if dim == 0 else 0)  # no autograd to record: one launch
+    if dim == 0:
+        with torch.no_grad(), fastpar.use_backend("numba"), fastpar.count_launches() as n:
+            comm.gather([a, b], 0, "cpu")
+        assert n.total == 1  # nothing for autograd to record: the one-launch path
 
 
 def _leaf_rg(*shape):
@@ -683,7 +684,7 @@ def test_empty_lists_and_iterables_as_torch():
     assert all(torch.equal(c, t) for c in comm.broadcast(t, (d for d in ["cpu", "cpu"])))
     (r,) = comm.reduce_add_coalesced(iter([[t], [t]]), "cpu")
     assert torch.equal(r, 2 * t)
-    with pytest.raises(TypeError, match="devices must be a list or tuple of devices, got str"):
+    with pytest.raises(TypeError, match=r"devices must be an iterable of devices \(a list or tuple\), got str"):
         comm.broadcast(t, "cpu")
 
 

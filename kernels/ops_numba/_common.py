@@ -152,12 +152,17 @@ def storage(dtype: torch.dtype, raw: bool):
     return KINDS[dtype]
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
 def compute_scale(src: torch.dtype, dst: torch.dtype, scale: float):
     """The scale in the compute type: float64 if either side is float64, else float32
     (a scale beyond float32's range becomes inf, as torch's, without numpy's warning)."""
     if torch.float64 in (src, dst):
         return np.float64(scale)
-    with np.errstate(over="ignore"):
+    if abs(scale) <= _F32_MAX or scale != scale:
+        return np.float32(scale)
+    with np.errstate(over="ignore"):  # (entered only here: it costs a microsecond)
         return np.float32(scale)
 
 
@@ -276,9 +281,12 @@ def launch_lock(parallel: bool):
 
 
 def parallel_ok() -> bool:
-    """False in a forked child or a DataLoader worker (:func:`fastpar.kernels._launch.forked`):
-    with GNU OpenMP (Numba's ``omp`` layer on Linux, sharing torch's ``libgomp``), a
-    forked child that starts a parallel region after its parent did is killed with
-    SIGTERM ("fork() called from a process already using GNU OpenMP") or hangs at the
-    region's barrier, so launchers run serially there."""
-    return not _launch.forked()
+    """False where a parallel region may not start or is not wanted: in a process forked
+    after ``import fastpar`` or in a DataLoader worker (:func:`fastpar.kernels._launch.forked`),
+    and wherever torch itself runs on one thread (``torch.set_num_threads(1)``, as
+    DataLoader workers and ``OMP_NUM_THREADS=1`` set). With GNU OpenMP (Numba's ``omp``
+    layer on Linux, sharing torch's ``libgomp``), a forked child that starts a parallel
+    region after its parent did is killed with SIGTERM ("fork() called from a process
+    already using GNU OpenMP") or hangs at the region's barrier. A child forked before
+    fastpar was imported that still runs torch on several threads is not recognised."""
+    return torch.get_num_threads() > 1 and not _launch.forked()

@@ -103,10 +103,11 @@ def to_storage(x, DST: tl.constexpr):
         return r.to(tl.uint16).to(tl.int16, bitcast=True)
     elif DST == tl.float16:
         return x.to(tl.float32).to(tl.float16)
-    elif DST.is_int() and x.dtype.is_floating():
-        # torch converts float -> integer through int64 ("consistent results across
-        # CPU/GPU", c10/util/TypeCast.h): the direct conversion (cvt.rzi.u16.f32 for a
-        # uint8 store) clamps -1.0 to 0 where torch gives 255.
+    elif DST == tl.uint8 and x.dtype.is_floating():
+        # torch converts float -> uint8 through int64 ("consistent results across
+        # CPU/GPU", c10/util/TypeCast.h): the direct conversion (cvt.rzi.u16.f32) clamps
+        # -1.0 to 0 where torch gives 255. Other integer types convert directly, as
+        # torch's do.
         return x.to(tl.int64).to(DST)
     else:
         return x.to(DST)
