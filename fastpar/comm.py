@@ -82,7 +82,7 @@ def _device(d, name: str) -> torch.device:
 def _devices(devices, name: str, *, unique: bool = True) -> list[torch.device]:
     """``devices`` as torch.devices; with ``unique``, no CUDA device may repeat."""
     if isinstance(devices, (str, bytes, int, torch.device, torch.Tensor)) or not hasattr(devices, "__iter__"):
-        raise TypeError(f"{name} must be an iterable of devices (a list or tuple), got {type(devices).__name__}")
+        raise TypeError(f"{name} must be a list, tuple or other iterable of devices, got {type(devices).__name__}")
     if not isinstance(devices, (list, tuple)):
         devices = list(devices)  # any iterable, as torch's take (a generator, a range)
     if not devices:

@@ -159,7 +159,7 @@ def test_first_forward_does_not_break_a_graph_built_before():
     assert all(p.grad is not None for p in model.parameters())
 
 
-@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated")
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated", "ignore:`torch.jit.trace_method` is deprecated")
 @pytest.mark.parametrize("traced", ["root", "child"])
 def test_traced_modules_replicate(traced):
     class T(nn.Module):
