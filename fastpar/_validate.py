@@ -74,9 +74,16 @@ def check_flat(t, name: str, *, numel: int, dtype: torch.dtype | None, device: t
             f"({'too small' if t.numel() < numel else 'too large'})"
         )
     check_memory(t, name)
-    if written and t.is_inference() and not torch.is_inference_mode_enabled():
-        raise RuntimeError(f"{name} is an inference tensor; it can only be written inside torch.inference_mode()")
+    if written:
+        check_not_inference(t, name)
     return t
+
+
+def check_not_inference(t: torch.Tensor, name: str) -> None:
+    """An inference tensor can only be written inside ``torch.inference_mode()`` (as
+    torch's in-place ops require)."""
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        raise RuntimeError(f"{name} is an inference tensor; it can only be written inside torch.inference_mode()")
 
 
 def no_memory_error(t: torch.Tensor, name: str) -> Exception:
@@ -119,6 +126,4 @@ def check_writable(plan, name: str) -> None:
     in-place ops require); checked before any launch."""
     if plan.has_inference and not torch.is_inference_mode_enabled():
         i = next(i for i, t in enumerate(plan.tensors) if t.is_inference())
-        raise RuntimeError(
-            f"{name}[{i}] is an inference tensor; it can only be written inside torch.inference_mode()"
-        )
+        check_not_inference(plan.tensors[i], f"{name}[{i}]")

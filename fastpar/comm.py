@@ -40,7 +40,7 @@ from . import _alloc, _cuda, _dispatch, _tuning
 from ._fastcheck import increment_versions
 from ._flatten import byte_layout, byte_views, flatten, pack_bytes, region, split_views
 from ._plan import ReduceGroup, plan_for
-from ._validate import CAST_DTYPES, check_writable
+from ._validate import CAST_DTYPES, check_not_inference, check_writable
 
 __all__ = [
     "broadcast",
@@ -195,8 +195,7 @@ def _check_copy_targets(outs, name: str) -> None:
 
 
 def _check_copy_target(o: torch.Tensor, label: str) -> None:
-    if o.is_inference() and not torch.is_inference_mode_enabled():
-        raise RuntimeError(f"{label} is an inference tensor; it can only be written inside torch.inference_mode()")
+    check_not_inference(o, label)
     base = o._base if o._is_view() else o
     if torch.is_grad_enabled() and base.is_leaf and base.requires_grad:
         what = "a leaf tensor" if base is o else "a view of a leaf tensor"
@@ -364,11 +363,11 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
         plans = [plan_for(lst, f"inputs[{k}]") for k, lst in enumerate(inputs)]
     except TypeError:
         # Looked for only once the fast path has refused the lists (no per-call scan).
-        if _has_sparse(inputs):
+        sparse = _first_sparse(inputs)
+        if sparse is not None:
             if out is None:
                 return _reduce_with_sparse(inputs, destination, buffer_size)
-            k, i = next((k, i) for k, lst in enumerate(inputs) for i, t in enumerate(lst)
-                        if isinstance(t, torch.Tensor) and t.layout == torch.sparse_coo)
+            k, i = sparse
             raise TypeError(
                 f"inputs[{k}][{i}] has layout torch.sparse_coo; sparse COO tensors are summed only with "
                 "out=None (into new sparse or dense results, as torch's reduce_add_coalesced); densify "
@@ -419,9 +418,14 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
     return tuple(result)
 
 
+def _first_sparse(inputs):
+    """``(k, i)`` of the first sparse COO tensor ``inputs[k][i]``, or None."""
+    return next(((k, i) for k, lst in enumerate(inputs) if isinstance(lst, (list, tuple))
+                 for i, t in enumerate(lst) if isinstance(t, torch.Tensor) and t.layout == torch.sparse_coo), None)
+
+
 def _has_sparse(inputs) -> bool:
-    return any(isinstance(t, torch.Tensor) and t.layout == torch.sparse_coo
-               for lst in inputs if isinstance(lst, (list, tuple)) for t in lst)
+    return _first_sparse(inputs) is not None
 
 
 def _reduce_with_sparse(inputs, destination, buffer_size) -> list:

@@ -176,10 +176,10 @@ def _flatten_rnns(module) -> None:
             if w is None or w.device.type != "cuda" or rnn.is_flat(m):
                 continue
             try:
-                rnn._flatten_checks(m)
+                checked = rnn._flatten_checks(m)
             except (TypeError, ValueError, RuntimeError):
                 continue
-            rnn.flatten_parameters(m)
+            rnn._flatten_checked(m, *checked)
 
 
 def data_parallel(module, inputs, device_ids=None, output_device=None, dim=0, module_kwargs=None):

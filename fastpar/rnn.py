@@ -587,7 +587,11 @@ def flatten_parameters(module) -> torch.Tensor:
     Every check runs before anything is written or rebound: a rejected call leaves the
     module as it was.
     """
-    names, weights, layout = _flatten_checks(module)
+    return _flatten_checked(module, *_flatten_checks(module))
+
+
+def _flatten_checked(module, names, weights, layout) -> torch.Tensor:
+    """:func:`flatten_parameters` once :func:`_flatten_checks` has passed (its result)."""
     if _weights_flat(weights, layout):
         buf = _buffer_of(weights[0], layout)
     else:

@@ -280,6 +280,24 @@ def launch_lock(parallel: bool):
     return PARALLEL_LOCK if parallel else contextlib.nullcontext()
 
 
+def bound_launch(kernel, parallel: bool, serial):
+    """``launch(*args)`` for a launch bound once and run many times (the DDP hooks'
+    cached passes): ``kernel`` itself when serial; when parallel, ``kernel`` under
+    ``PARALLEL_LOCK``, or the kernel ``serial()`` returns where :func:`parallel_ok` has
+    turned False since binding (the bound launch is run in a forked child)."""
+    if not parallel:
+        return kernel
+
+    def launch(*args) -> None:
+        if parallel_ok():
+            with PARALLEL_LOCK:
+                kernel(*args)
+        else:
+            serial()(*args)
+
+    return launch
+
+
 def parallel_ok() -> bool:
     """False where a parallel region may not start or is not wanted: in a process forked
     after ``import fastpar`` or in a DataLoader worker (:func:`fastpar.kernels._launch.forked`),

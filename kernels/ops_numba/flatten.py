@@ -109,15 +109,11 @@ def bind_copy(group, flat: torch.Tensor, scale, to_flat: bool, *, chunk: int = D
     record = _launch.launches.record
     op = "flatten" if to_flat else "unflatten_into"
 
-    lock = C.launch_lock(parallel)
+    launch = C.bound_launch(kernel, parallel,
+                            lambda: _copy_kernel_for(src_kind, dst_kind, scale is not None, to_flat, False, stream))
 
     def run() -> None:
-        if parallel and not C.parallel_ok():
-            # Bound before a fork, run in the child: serially (see C.parallel_ok).
-            _copy_kernel_for(src_kind, dst_kind, scale is not None, to_flat, False, stream)(*args)
-        else:
-            with lock:
-                kernel(*args)
+        launch(*args)
         record("numba", op)
 
     return run

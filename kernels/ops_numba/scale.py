@@ -89,15 +89,10 @@ def bind(group, factor: float, divide: bool, *, chunk: int = DEFAULT_CHUNK,
             C.compute_scale(group.dtype, group.dtype, factor), np.empty(0, storage))
     record = _launch.launches.record
 
-    lock = C.launch_lock(parallel)
+    launch = C.bound_launch(kernel, parallel, lambda: _scale_kernel_for(kind, bool(divide), False))
 
     def run() -> None:
-        if parallel and not C.parallel_ok():
-            # Bound before a fork, run in the child: serially (see C.parallel_ok).
-            _scale_kernel_for(kind, bool(divide), False)(*args)
-        else:
-            with lock:
-                kernel(*args)
+        launch(*args)
         record("numba", "scale")
 
     return run
