@@ -142,20 +142,30 @@ def _calibrate_keyset(d: int):
     ``d``: the same for plain float tensors of any shape and layout, different for a
     conjugate view and a negative view (the lazy ``conj()`` / ``neg`` bits, which
     ``a.data = a.conj()`` sets in place without touching anything else the check reads);
-    None unless unambiguous and confirmed by setting a conjugate bit in place."""
-    plain = [torch.empty(3), torch.empty(5, 7), torch.empty(4, 4).t(), torch.empty(9)[::2]]
-    z = torch.zeros(3, dtype=torch.complex64)
-    pairs = [(z, z.conj()), (plain[0], torch._neg_view(plain[0]))]
+    None unless unambiguous and confirmed by setting a conjugate bit in place.
+
+    Sixteen plain probes, made apart: a word that merely happens to hold one value in a
+    few of them (one did in a CI run with four probes, making the search ambiguous)
+    does not hold it in all."""
+    plain = []
+    for k in range(16):
+        t = torch.empty(3 + k, 2 + k % 5)
+        plain.append(t.t() if k % 3 == 0 else t[::2] if k % 3 == 1 else t)
+        torch.empty(k + 1)  # interleave other allocations
+    pairs = []
+    for k in range(3):
+        z = torch.zeros(3 + k, dtype=torch.complex64)
+        pairs += [(z, z.conj()), (plain[k], torch._neg_view(plain[k]))]
     words = [_words(t._cdata, _WORDS) for t in plain]
     pw = [(_words(a._cdata, _WORDS), _words(b._cdata, _WORDS)) for a, b in pairs]
     cand = [j for j in range(d + 1, _WORDS)
             if len({int(w[j]) for w in words}) == 1 and all(wa[j] != wb[j] for wa, wb in pw)]
-    if len(cand) != 1:
-        return None
-    j = cand[0]
-    before = _words(z._cdata, _WORDS)[j]
+    z = torch.zeros(3, dtype=torch.complex64)
+    before = _words(z._cdata, _WORDS)
     z.data = z.conj()
-    return j if z.is_conj() and _words(z._cdata, _WORDS)[j] != before else None
+    after = _words(z._cdata, _WORDS)
+    cand = [j for j in cand if after[j] != before[j]]
+    return cand[0] if len(cand) == 1 and z.is_conj() else None
 
 
 def _calibrate_version():
