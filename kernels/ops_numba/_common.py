@@ -34,7 +34,7 @@ KINDS: dict[torch.dtype, tuple[str, type]] = {
     torch.int32: ("plain", np.int32),
     torch.int16: ("plain", np.int16),
     torch.int8: ("plain", np.int8),
-    torch.uint8: ("plain", np.uint8),
+    torch.uint8: ("u8", np.uint8),
 }
 
 # Same-dtype copies move bits: one unsigned type per element size (covers bool,
@@ -132,6 +132,14 @@ def store_plain(a, i, v):
 
 
 @numba.njit(nogil=True, cache=True)
+def store_u8(a, i, v):
+    # Through int64, as c10's TypeCast does for uint8: -1.0 -> 255. A direct
+    # float -> uint8 conversion (LLVM's fptoui) is undefined for negative values: the
+    # vector code for one x86-64 CPU wrapped them, for another clamped them to 0.
+    a[i] = np.int64(v)
+
+
+@numba.njit(nogil=True, cache=True)
 def store_f16(a, i, v):
     a[i] = _f32_to_half_bits(np.float32(v))
 
@@ -141,8 +149,8 @@ def store_bf16(a, i, v):
     a[i] = f32_to_bf16_bits(np.float32(v))
 
 
-LOADS = {"plain": load_plain, "f16": load_f16, "bf16": load_bf16}
-STORES = {"plain": store_plain, "f16": store_f16, "bf16": store_bf16}
+LOADS = {"plain": load_plain, "u8": load_plain, "f16": load_f16, "bf16": load_bf16}
+STORES = {"plain": store_plain, "u8": store_u8, "f16": store_f16, "bf16": store_bf16}
 
 
 def storage(dtype: torch.dtype, raw: bool):
