@@ -111,7 +111,11 @@ def unflatten(flat, tensors):
     """
     plan = plan_for(tensors, "tensors")
     check_flat(flat, "flat", numel=plan.numel, dtype=None, device=None)
-    return tuple(torch._utils._unflatten_dense_tensors(flat, list(plan.tensors)))
+    memo = plan.__dict__.get("_split")
+    if memo is None:  # sizes and the non-1-D positions, made once per plan
+        memo = plan.__dict__["_split"] = (
+            plan.numels.tolist(), [(i, s) for i, s in enumerate(plan.shapes) if len(s) != 1])
+    return tuple(split_views(flat, *memo))
 
 
 def unflatten_into(flat, tensors, *, scale=None) -> None:
@@ -214,9 +218,10 @@ def split_views(flat: torch.Tensor, sizes: list, not_1d, *, autograd_views: bool
     never leaves fastpar, nothing can tell the difference, and in-place writes to one
     result then leave the others' versions alone, as for separately allocated tensors.
     """
-    pieces = list(flat.split_with_sizes(sizes) if autograd_views else flat.unsafe_split_with_sizes(sizes))
-    for j, shape in not_1d:
-        pieces[j] = pieces[j].view(shape)
+    with _alloc.gc_paused():
+        pieces = list(flat.split_with_sizes(sizes) if autograd_views else flat.unsafe_split_with_sizes(sizes))
+        for j, shape in not_1d:
+            pieces[j] = pieces[j].view(shape)
     return pieces
 
 

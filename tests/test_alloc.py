@@ -225,3 +225,55 @@ def test_result_cache_threads_never_share_a_live_buffer():
     for t in threads:
         t.join()
     assert not errors, errors[:3]
+
+
+def test_gc_paused_nests_and_restores():
+    assert gc.isenabled()
+    with _alloc.gc_paused():
+        assert not gc.isenabled()
+        with _alloc.gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled(), "an inner block turned the collector back on"
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="boom"):
+        with _alloc.gc_paused():
+            raise RuntimeError("boom")
+    assert gc.isenabled(), "not restored after an exception"
+
+
+def test_gc_paused_keeps_a_callers_disable():
+    gc.disable()
+    try:
+        with _alloc.gc_paused():
+            pass
+        assert not gc.isenabled(), "turned on a collector the caller had turned off"
+    finally:
+        gc.enable()
+
+
+def test_gc_paused_overlapping_threads():
+    """Blocks in two threads that overlap in either order: the collector is off while
+    either runs and back on once both have ended."""
+    import threading
+
+    for first_out in (0, 1):
+        entered = [threading.Event(), threading.Event()]
+        leave = [threading.Event(), threading.Event()]
+        seen = []
+
+        def run(i):
+            with _alloc.gc_paused():
+                entered[i].set()
+                leave[i].wait(10)
+                seen.append(gc.isenabled())
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+        for t, e in zip(threads, entered):
+            t.start()
+            assert e.wait(10)
+        leave[first_out].set()
+        threads[first_out].join(10)
+        assert not gc.isenabled(), "one block ended and turned the collector on under the other"
+        leave[1 - first_out].set()
+        threads[1 - first_out].join(10)
+        assert seen == [False, False] and gc.isenabled()

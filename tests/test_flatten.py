@@ -221,6 +221,24 @@ def test_unflatten_views():
             assert v.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr(), "views, not copies"
 
 
+@pytest.mark.parametrize("n", [1, 10_000])
+def test_unflatten_is_torchs_unflatten(n):
+    """Same views as ``torch._utils._unflatten_dense_tensors``: offsets, shapes, strides,
+    autograd views of ``flat`` (so gradients flow back to it), 0-dim and empty ones too."""
+    ts = [torch.randn(s) for s in ([(3, 4), (), (0,), (2, 0, 3), (5,), (1, 1)] + [(7,)] * n)]
+    flat = fastpar.flatten(ts).requires_grad_()
+    views = fastpar.unflatten(flat, ts)
+    ref = torch._utils._unflatten_dense_tensors(flat, ts)
+    for i, (v, r) in enumerate(zip(views, ref)):
+        # (An empty view's offset is immaterial; torch's narrow gives it 0.)
+        assert (v.shape, v.stride(), v.numel() and v.storage_offset(), v._base is flat) == (
+            r.shape, r.stride(), r.numel() and r.storage_offset(), True), f"view {i}"
+    sum((v * (i + 1)).sum() for i, v in enumerate(views[:50])).backward()
+    expect = torch.cat([torch.full((t.numel(),), float(i + 1)) if i < 50 else torch.zeros(t.numel())
+                        for i, t in enumerate(ts)])
+    assert torch.equal(flat.grad, expect)
+
+
 def test_round_trip_bf16_scale(backend):
     ts = make(SHAPE_SETS["big"], torch.float32)
     flat = fastpar.flatten(ts, dtype=torch.bfloat16, scale=4.0)
