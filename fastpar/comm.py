@@ -169,7 +169,7 @@ def broadcast(tensor, devices=None, *, out=None):
                 f"out[{i}] must match tensor (shape {tuple(tensor.shape)}, {tensor.dtype}), "
                 f"got shape {tuple(o.shape)}, {o.dtype}"
             )
-    _check_copy_targets(outs, "out")
+    _check_copy_targets(outs, "out", [tensor] * len(outs))
     for o in outs:
         o.copy_(tensor)
     return tuple(outs)
@@ -183,25 +183,72 @@ def _out_list(out, name: str) -> list:
     return list(out)
 
 
-def _check_copy_targets(outs, name: str) -> None:
-    """The commonest refusals of ``copy_`` into each of ``outs`` (an inference tensor
-    outside inference mode, a leaf or a view of a leaf that requires grad, elements
-    sharing memory), checked for all of them before the first is written (a refusal
-    half-way left earlier outputs written). Not every refusal: an output of ``unbind``
-    of a tensor requiring grad, or one partly overlapping the source, still fails in
-    its own ``copy_``."""
-    for i, o in enumerate(outs):
-        _check_copy_target(o, f"{name}[{i}]")
+def _check_copy_targets(outs, name: str, srcs) -> None:
+    """Every refusal of ``outs[i].copy_(srcs[i])``, checked for all outputs before the
+    first is written (a refusal half-way left earlier outputs written)."""
+    for i, (o, src) in enumerate(zip(outs, srcs)):
+        _check_copy_target(o, f"{name}[{i}]", src_requires_grad=src.requires_grad)
+        if _partially_overlap(o, src):
+            raise RuntimeError(f"{name}[{i}] partly overlaps the memory of its source; it must be a separate buffer")
 
 
-def _check_copy_target(o: torch.Tensor, label: str) -> None:
+_MADE_BY = {  # torch's CreationMeta of a view that autograd refuses to write in place
+    "MULTI_OUTPUT_NODE": "a function that returns several views (unbind, split, chunk)",
+    "NO_GRAD_MODE": "torch.no_grad() from a tensor that requires grad",
+    "INFERENCE_MODE": "torch.inference_mode()",
+    "IN_CUSTOM_FUNCTION": "a custom autograd Function",
+}
+
+
+def _check_copy_target(o: torch.Tensor, label: str, *, src_requires_grad: bool) -> None:
+    """Raise where torch's ``o.copy_(src)`` (autograd's ``check_inplace``) would: an
+    inference tensor outside inference mode; and, when the copy would be recorded
+    (grad mode on and ``o`` or the source requiring grad), a view autograd cannot
+    rebase (made by ``unbind``, under ``no_grad``, ...) or a leaf, or a view of a leaf,
+    that requires grad; or elements sharing memory."""
     check_not_inference(o, label)
-    base = o._base if o._is_view() else o
-    if torch.is_grad_enabled() and base.is_leaf and base.requires_grad:
-        what = "a leaf tensor" if base is o else "a view of a leaf tensor"
-        raise RuntimeError(f"{label} is {what} that requires grad; it can only be written under torch.no_grad()")
+    if torch.is_grad_enabled() and (o.requires_grad or src_requires_grad):
+        view = o._is_view()
+        if view:
+            meta = torch._C._autograd._get_creation_meta(o).name
+            if meta != "DEFAULT":
+                how = _MADE_BY.get(meta, f"creation meta {meta}")
+                raise RuntimeError(
+                    f"{label} is a view made by {how}; autograd refuses to write it in place "
+                    "(write it under torch.no_grad(), or pass a tensor of its own)"
+                )
+        base = o._base if view else o
+        if base.is_leaf and o.requires_grad:
+            what = "a view of a leaf tensor" if view else "a leaf tensor"
+            raise RuntimeError(f"{label} is {what} that requires grad; it can only be written under torch.no_grad()")
     if torch._debug_has_internal_overlap(o) == 1:
         raise RuntimeError(f"{label} has elements that share memory (e.g. made by expand()); it cannot be written")
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether some order of ``t``'s dimensions is contiguous (c10's
+    ``is_non_overlapping_and_dense``)."""
+    need = 1
+    for st, n in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
+        if st != need:
+            return False
+        need *= n
+    return True
+
+
+def _partially_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """ATen's ``get_overlap_status(a, b) == PARTIAL``, which its copies refuse: both
+    dense, in one storage, their byte spans meeting without being the same elements.
+    (Overlaps it cannot judge, non-dense tensors, it lets through, and so do we.)"""
+    if a is b or a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() or not (_dense(a) and _dense(b)):
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1, b1 = a0 + a.numel() * a.element_size(), b0 + b.numel() * b.element_size()
+    if (a0, a1) == (b0, b1):
+        return a.stride() != b.stride()
+    return a0 < b1 and b0 < a1
 
 
 def broadcast_coalesced(tensors, devices, buffer_size=_DEFAULT_BUFFER):
@@ -664,8 +711,9 @@ def scatter(tensor, devices=None, chunk_sizes=None, dim=0, streams=None, *, out=
         if sum(sizes) != size:
             raise ValueError(f"the sizes of out along dim {dim} must sum to {size}, got {sizes} (sum {sum(sizes)})")
         _check_streams(streams, [o.device for o in outs], "out")
-        _check_copy_targets(outs, "out")
-        for i, (o, chunk) in enumerate(zip(outs, tensor.split(sizes, dim))):
+        chunks = tensor.split(sizes, dim)
+        _check_copy_targets(outs, "out", chunks)
+        for i, (o, chunk) in enumerate(zip(outs, chunks)):
             # Asynchronous only into device memory: into host memory (pinned) it could
             # still be running when the caller reads ``out``.
             with _on_stream(streams, i):
@@ -774,7 +822,12 @@ def gather(tensors, dim=0, destination=None, *, out=None):
         _check_tensor(out, "out")
         if list(out.shape) != shape or out.dtype != t0.dtype:
             raise ValueError(f"out must have shape {tuple(shape)} and dtype {t0.dtype}, got {tuple(out.shape)}, {out.dtype}")
-        _check_copy_target(out, "out")
+        _check_copy_target(out, "out", src_requires_grad=any(t.requires_grad for t in ts))
+        off = 0
+        for i, t in enumerate(ts):  # as torch's, each input is copied into its slice
+            if _partially_overlap(out.narrow(dim, off, t.size(dim)), t):
+                raise RuntimeError(f"out partly overlaps the memory of tensors[{i}]; it must be a separate buffer")
+            off += t.size(dim)
         dst = out.device
     else:
         devs = [t.device for t in ts]

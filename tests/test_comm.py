@@ -3,6 +3,7 @@ Triton interpreter and the torch reference), plus CUDA tests that a multi-GPU ma
 runs unchanged."""
 from __future__ import annotations
 
+import itertools
 import logging
 
 import pytest
@@ -631,7 +632,9 @@ def _inference(*shape):
     (lambda *s: _leaf_rg(*s).view(s), r"out\[1\] is a view of a leaf tensor that requires grad"),
     (_inference, r"out\[1\] is an inference tensor"),
     (lambda *s: torch.zeros(s[-1]).expand(*s), r"out\[1\] has elements that share memory"),
-], ids=["leaf", "view-of-leaf", "inference", "expanded"])
+    (lambda *s: (torch.zeros(2, *s, requires_grad=True) * 1).unbind(0)[1],
+     r"out\[1\] is a view made by a function that returns several views"),
+], ids=["leaf", "view-of-leaf", "inference", "expanded", "unbind"])
 def test_broadcast_and_scatter_out_refusals_write_nothing(op, make, match):
     """What copy_ would refuse is checked for every out first: a refusal at out[1] used
     to leave out[0] written."""
@@ -642,6 +645,72 @@ def test_broadcast_and_scatter_out_refusals_write_nothing(op, make, match):
     with pytest.raises(RuntimeError, match=match):
         getattr(comm, op)(t, out=out)
     assert_unchanged(out[:1], before, what=f"out[0] of a rejected {op}")
+
+
+def _copy_target_case(base_rg, make, made_with_grad, src_rg, leaf):
+    """A fresh (out, src) pair: ``out`` a view of a (leaf or not) base made one way."""
+    b = torch.randn(4, 3, requires_grad=base_rg)
+    if not leaf:
+        b = b * 1
+    with torch.set_grad_enabled(made_with_grad):
+        o = {"unbind": lambda: b.unbind(0)[1], "split": lambda: b.split(2)[1], "slice": lambda: b[1:3],
+             "view": lambda: b.view(12)[3:6].view(1, 3), "self": lambda: b[1:3].clone() if not leaf else b}[make]()
+    return o, torch.randn(o.shape, requires_grad=src_rg)
+
+
+@pytest.mark.parametrize("write_with_grad", [True, False])
+@pytest.mark.parametrize("make", ["unbind", "split", "slice", "view", "self"])
+def test_broadcast_out_refuses_exactly_what_copy_refuses(make, write_with_grad):
+    """Against torch's own ``copy_`` (autograd's check_inplace) over bases requiring grad
+    or not, leaf or not, views made with grad on or off, sources requiring grad or not:
+    fastpar refuses the same calls, before writing anything, and writes the rest."""
+    seen = set()
+    for base_rg, made_with_grad, src_rg, leaf in itertools.product([False, True], repeat=4):
+        torch.manual_seed(0)
+        o, src = _copy_target_case(base_rg, make, made_with_grad, src_rg, leaf)
+        with torch.set_grad_enabled(write_with_grad):
+            try:
+                o.copy_(src)
+                torch_refuses = False
+            except RuntimeError:
+                torch_refuses = True
+        seen.add(torch_refuses)
+        torch.manual_seed(0)
+        o, src = _copy_target_case(base_rg, make, made_with_grad, src_rg, leaf)
+        first = poisoned(*o.shape)
+        case = f"base requires grad {base_rg}, made with grad {made_with_grad}, src requires grad {src_rg}, leaf {leaf}"
+        with torch.set_grad_enabled(write_with_grad):
+            if torch_refuses:
+                with pytest.raises(RuntimeError, match=r"out\[1\] is a"):
+                    comm.broadcast(src, out=[first, o])
+                assert torch.isnan(first).all(), f"out[0] written by a refused call ({case})"
+            else:
+                comm.broadcast(src, out=[first, o])
+                assert torch.equal(first, src) and torch.equal(o, src), case
+    assert seen == ({True, False} if write_with_grad else {False})  # both kinds of case were met
+
+
+@pytest.mark.parametrize("op", ["broadcast", "scatter", "gather"])
+def test_out_partly_overlapping_its_source_is_refused_before_writing(op):
+    """ATen's copies refuse an output partly overlapping its source; a refusal at out[1]
+    used to leave out[0] written. The same elements (a no-op copy) are let through."""
+    buf = torch.arange(12.0)
+    first = poisoned(4)
+    if op == "broadcast":
+        src = buf[2:6]
+        call = lambda: comm.broadcast(src, out=[first, buf[4:8]])
+    elif op == "scatter":
+        src = buf[:8]
+        call = lambda: comm.scatter(src, out=[first, buf[6:10]])
+    else:
+        first = buf[4:12]  # slices [4:8] <- buf[0:4], [8:12] <- buf[6:10]
+        call = lambda: comm.gather([buf[0:4], buf[6:10]], out=first)
+    before = snapshot([buf, first])
+    with pytest.raises(RuntimeError, match=r"partly overlaps the memory of"):
+        call()
+    assert_unchanged([buf, first], before, what=f"a rejected {op}")
+    same = torch.arange(4.0)
+    assert comm.broadcast(same, out=[first[:4], same])[1] is same  # the same elements: torch copies nothing
 
 
 def test_out_leaf_requiring_grad_is_written_under_no_grad():
