@@ -24,6 +24,10 @@ class Broadcast(Function):
         if not inputs:
             return ()
         outputs = placement.place(inputs)
+        # The first device's outputs are the inputs themselves, which autograd turns into
+        # views; sparse COO tensors have no views, so that device gets an alias instead
+        # (the same indices and values) where torch's Broadcast fails.
+        outputs[0] = [comm.sparse_alias(t) if t.layout == torch.sparse_coo else t for t in outputs[0]]
         non_differentiables = []
         for idx, needs in enumerate(ctx.needs_input_grad[1:]):
             if not needs:

@@ -257,7 +257,7 @@ def broadcast_coalesced(tensors, devices, buffer_size=_DEFAULT_BUFFER):
     The tensors are flattened once on the source (one kernel launch per dtype), copied
     once to each other device, and returned there as views of that copy, so each
     device's outputs share one contiguous storage. For CPU replicas one launch per dtype
-    writes every copy directly.
+    writes every copy directly. Sparse COO tensors are copied on their own, as torch's.
 
     Args:
         tensors (sequence): tensors to broadcast; all must be on ``devices[0]``.
@@ -273,6 +273,8 @@ def broadcast_coalesced(tensors, devices, buffer_size=_DEFAULT_BUFFER):
     _check_buffer_size(buffer_size)
     if isinstance(tensors, (list, tuple)) and not tensors:
         return [[] for _ in devs]  # as torch's: an empty list per device
+    if isinstance(tensors, (list, tuple)) and _has_sparse([tensors]):
+        return _broadcast_with_sparse(tensors, devs, buffer_size)
     plan = plan_for(tensors, "tensors")
     if plan.device != devs[0]:
         raise ValueError(f"tensors must be on devices[0] ({devs[0]}), got tensors on {plan.device}")
@@ -291,6 +293,44 @@ def broadcast_coalesced(tensors, devices, buffer_size=_DEFAULT_BUFFER):
         bufs = [src.to(d, copy=True, non_blocking=True) for d in devs[1:]]
     result.extend(byte_views(buf, plan, layout) for buf in bufs)
     return result
+
+
+def _broadcast_with_sparse(tensors, devs, buffer_size) -> list:
+    """As torch's: sparse COO tensors are copied on their own (indices and values, the
+    coalesced flag kept), the dense ones coalesced as usual; the order is kept."""
+    sparse = [i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.layout == torch.sparse_coo]
+    for i in sparse:
+        if tensors[i].device != devs[0]:
+            raise ValueError(f"tensors must be on devices[0] ({devs[0]}), got tensors[{i}] on {tensors[i].device}")
+    dense = [i for i in range(len(tensors)) if i not in set(sparse)]
+    dense_copies = broadcast_coalesced([tensors[i] for i in dense], devs, buffer_size) if dense else None
+    result = [list(tensors)]
+    for j, d in enumerate(devs[1:], 1):
+        copies = [None] * len(tensors)
+        for i, c in zip(dense, dense_copies[j] if dense else ()):
+            copies[i] = c
+        for i in sparse:
+            copies[i] = sparse_copy(tensors[i], d)
+        result.append(copies)
+    return result
+
+
+def sparse_copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy of sparse COO ``t`` on ``device``, as torch's ``broadcast_coalesced`` makes
+    one: its indices and values copied, its coalesced flag kept, no autograd history."""
+    t = t.detach()
+    # (Unchecked, as torch's unflatten_sparse_tensors: the parts are a valid tensor's.)
+    return torch.sparse_coo_tensor(
+        t._indices().to(device, copy=True), t._values().to(device, copy=True), t.shape,
+        is_coalesced=t.is_coalesced(), check_invariants=False,
+    )
+
+
+def sparse_alias(t: torch.Tensor) -> torch.Tensor:
+    """A new sparse COO tensor sharing ``t``'s indices and values (no autograd history)."""
+    t = t.detach()
+    return torch.sparse_coo_tensor(t._indices(), t._values(), t.shape, is_coalesced=t.is_coalesced(),
+                                   check_invariants=False)
 
 
 def _check_buffer_size(buffer_size) -> None:

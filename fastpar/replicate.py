@@ -75,13 +75,17 @@ class _Placement:
         if len(self.devices) == 1:
             return result
         rnn_positions = {i for _, pos in self.rnn_groups for i in pos}
-        rest = [i for i in range(len(tensors)) if i not in rnn_positions]
+        # Sparse COO tensors are copied on their own, as torch's broadcast_coalesced does.
+        sparse = [i for i, t in enumerate(tensors) if t.layout == torch.sparse_coo and i not in rnn_positions]
+        rest = [i for i in range(len(tensors)) if i not in rnn_positions and i not in set(sparse)]
         rest_copies = self._broadcast([tensors[i] for i in rest])
         rnn_copies = [self._pack_rnn(m, [tensors[i] for i in pos]) for m, pos in self.rnn_groups]
-        for j in range(1, len(self.devices)):
+        for j, d in enumerate(self.devices[1:], 1):
             copies = [None] * len(tensors)
             for i, c in zip(rest, rest_copies[j - 1]):
                 copies[i] = c
+            for i in sparse:
+                copies[i] = comm.sparse_copy(tensors[i], d)
             for (_, pos), per_replica in zip(self.rnn_groups, rnn_copies):
                 for i, v in zip(pos, per_replica[j - 1]):
                     copies[i] = v

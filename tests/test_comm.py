@@ -352,6 +352,37 @@ def test_broadcast_coalesced_one_flatten_launch():
     assert n.total == 1
 
 
+def _sparse(rows, n=6, dtype=torch.float64, coalesce=False):
+    t = torch.sparse_coo_tensor(torch.tensor([rows]), torch.randn(len(rows), 3, dtype=dtype), (n, 3),
+                                check_invariants=True)
+    return t.coalesce() if coalesce else t
+
+
+def test_broadcast_coalesced_copies_sparse_tensors_as_torch():
+    """As torch's: sparse COO tensors are copied on their own (indices and values, the
+    coalesced flag kept), the dense ones coalesced in one launch, the order kept."""
+    ts = [torch.randn(5), _sparse([0, 2, 2]), rand((3, 2), torch.float32), _sparse([4, 1], coalesce=True)]
+    with fastpar.use_backend("numba"), fastpar.count_launches() as n:
+        res = comm.broadcast_coalesced(ts, ["cpu"] * 3)
+    assert n.total == 1  # the dense tensors, one launch
+    assert all(r is t for r, t in zip(res[0], ts))
+    for copies in res[1:]:
+        for c, t in zip(copies, ts):
+            assert c.layout == t.layout and c.dtype == t.dtype and not c.requires_grad
+            if t.layout == torch.sparse_coo:
+                assert c.is_coalesced() == t.is_coalesced()
+                assert torch.equal(c._indices(), t._indices()) and torch.equal(c._values(), t._values())
+                assert c._values().data_ptr() != t._values().data_ptr(), "a sparse copy shares the source's values"
+            else:
+                assert torch.equal(c, t) and c.data_ptr() != t.data_ptr()
+    total = comm.reduce_add_coalesced(res, "cpu")  # back: K times, sparse stays sparse
+    assert total[1].layout == torch.sparse_coo
+    assert_close(total[1].to_dense(), 3 * ts[1].to_dense(), tol=reduce_tol(torch.float64, 3))
+    assert comm.broadcast_coalesced([ts[1]], ["cpu", "cpu"])[1][0].layout == torch.sparse_coo  # sparse only
+    with pytest.raises(ValueError, match=r"tensors must be on devices\[0\] \(cuda:0\), got tensors\[1\] on cpu"):
+        comm.broadcast_coalesced(ts, [0, 1])
+
+
 def test_broadcast():
     t = torch.randn(3, 2)
     res = comm.broadcast(t, ["cpu", "cpu"])

@@ -337,3 +337,41 @@ def test_replicas_made_after_inference_mode_train():
     assert not reps[1].weight.is_inference()
     reps[1](torch.randn(3, 64)).sum().backward()
     assert m.weight.grad is not None
+
+
+def test_sparse_buffers_and_parameters_replicate_and_train():
+    """Sparse COO buffers are copied as torch's broadcast_coalesced copies them; a sparse
+    parameter (where torch's Broadcast fails: autograd cannot make a view of it) gets an
+    alias on the first device and copies elsewhere, and its gradient sums as sparse."""
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(6, 4, dtype=torch.float64).to_sparse())
+            self.lin = nn.Linear(6, 3, dtype=torch.float64)
+            self.register_buffer("shift", torch.randn(6, 3, dtype=torch.float64).relu().to_sparse())
+
+        def forward(self, x):
+            h = torch.sparse.mm(self.w, x.t()).t().tanh()
+            return self.lin(h) + self.shift.to_dense().sum(0)
+
+    net = Net()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    net(x).pow(2).sum().backward()
+    ref = {k: p.grad.to_dense().clone() for k, p in net.named_parameters()}
+    expected = net(x).detach()
+    net.zero_grad(set_to_none=True)
+    reps = replicate(net, ["cpu", "cpu", "cpu"])
+    for r in reps[1:]:
+        assert r.shift.layout == r.w.layout == torch.sparse_coo
+        assert torch.equal(r.shift.to_dense(), net.shift.to_dense()) and torch.equal(r.w.to_dense(), net.w.to_dense())
+        assert r.w._values().data_ptr() != net.w._values().data_ptr()
+    assert reps[0].w._values().data_ptr() == net.w._values().data_ptr()  # replica 0's is an alias
+    dp = fastpar.DataParallel(net, device_ids=["cpu", "cpu", "cpu"])
+    y = dp(x)
+    torch.testing.assert_close(y, expected, rtol=1e-12, atol=1e-12)
+    y.pow(2).sum().backward()
+    assert net.w.grad.layout == torch.sparse_coo
+    for k, p in net.named_parameters():
+        torch.testing.assert_close(p.grad.to_dense(), ref[k], rtol=1e-12, atol=1e-12, msg=lambda m: f"{k}: {m}")
