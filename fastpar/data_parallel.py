@@ -156,6 +156,11 @@ class DataParallel(torch.nn.DataParallel[T]):
 _FLATTEN_LOCK = threading.Lock()
 
 
+def _on_cuda(m) -> bool:
+    w = next(iter(m._flat_weights), None)
+    return w is not None and w.device.type == "cuda"
+
+
 def _flatten_rnns(module) -> None:
     """On CUDA, pack the module's own RNN weights in the layout cuDNN wants (once; the
     Parameter objects are kept), so the replica on ``device_ids[0]``, which shares them,
@@ -167,13 +172,12 @@ def _flatten_rnns(module) -> None:
     Not on the CPU, where there is no cuDNN to feed: repacking rebinds the live weights
     (``set_``), which breaks a graph built through the module before, as torch's CPU
     modules are never repacked."""
-    rnns = [m for m in module.modules() if isinstance(m, torch.nn.RNNBase)]
+    rnns = [m for m in module.modules() if isinstance(m, torch.nn.RNNBase) and _on_cuda(m)]
     if not rnns or all(rnn.is_flat(m) for m in rnns):
         return
     with _FLATTEN_LOCK:
         for m in rnns:
-            w = next(iter(m._flat_weights), None)
-            if w is None or w.device.type != "cuda" or rnn.is_flat(m):
+            if rnn.is_flat(m):  # (packed by another thread's forward meanwhile)
                 continue
             try:
                 checked = rnn._flatten_checks(m)
