@@ -107,6 +107,28 @@ def test_negative_floats_to_uint8_wrap_as_torch(backend, src):
     assert torch.equal(out, x.to(torch.uint8)), f"{src} -> uint8 differs from torch"
 
 
+#: Out of int8/int16 range but within int32's, then beyond int32's (and NaN, inf).
+NARROW_INT_VALUES = [300.0, -300.0, 1e5, -1e5, 70000.5, 128.7, -129.2, 32768.0, -32769.5, 5.5, -7.9, -0.0]
+BEYOND_INT32 = [3e9, -3e9, 1e10, 2.0**31, -(2.0**31) - 1e3, float("inf"), float("-inf"), float("nan")]
+
+
+@pytest.mark.parametrize("dst", [torch.int8, torch.int16], ids=str)
+@pytest.mark.parametrize("src", FLOAT_DTYPES, ids=str)
+def test_out_of_range_floats_to_int8_int16_as_torch(backend, src, dst):
+    """torch converts float -> int8/int16 through int32 on x86-64 (300.0 -> 44 in int8),
+    both ways and at every length (the vector loop and its scalar tail): LLVM's direct
+    conversion is undefined out of range, and Numba's vector code saturated (-> 127)."""
+    values = NARROW_INT_VALUES + (BEYOND_INT32 if backend != "triton" else [])
+    x = torch.tensor(values * 7, dtype=torch.float64).to(src)
+    for n in (1, 5, x.numel()):
+        out = poison_(torch.empty(n, dtype=dst))
+        fastpar.flatten([x[:n]], dtype=dst, out=out)
+        assert_close(out, x[:n].to(dst), tol=(0, 0), what=f"flatten {src} -> {dst}, {n} elements")
+        back = poison_(torch.empty(n, dtype=dst))
+        fastpar.unflatten_into(x[:n], [back])
+        assert_close(back, x[:n].to(dst), tol=(0, 0), what=f"unflatten_into {src} -> {dst}, {n} elements")
+
+
 @pytest.mark.parametrize("cc", [80, 90])
 @pytest.mark.parametrize("src", [torch.float32, torch.float16], ids=str)
 def test_float_to_uint8_compiles_through_int64(cc, src):

@@ -20,7 +20,7 @@ import torch
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from .. import _launch
 
@@ -32,8 +32,8 @@ KINDS: dict[torch.dtype, tuple[str, type]] = {
     torch.bfloat16: ("bf16", np.uint16),
     torch.int64: ("plain", np.int64),
     torch.int32: ("plain", np.int32),
-    torch.int16: ("plain", np.int16),
-    torch.int8: ("plain", np.int8),
+    torch.int16: ("i16", np.int16),
+    torch.int8: ("i8", np.int8),
     torch.uint8: ("u8", np.uint8),
 }
 
@@ -139,6 +139,29 @@ def store_u8(a, i, v):
     a[i] = np.int64(v)
 
 
+def store_narrow_int(a, i, v):
+    """Store ``v`` into an int8/int16 array as torch does on x86-64 (see its overload)."""
+
+
+@overload(store_narrow_int, jit_options={"nogil": True})
+def _store_narrow_int(a, i, v):
+    if not isinstance(v, types.Float):
+        def store_int(a, i, v):  # integers: the low bits, as every integer cast
+            a[i] = v
+        return store_int
+
+    def store_float(a, i, v):
+        # A float goes through int32 (c10's static_cast, compiled to cvttss2si), whose
+        # out-of-range and NaN result is INT32_MIN: low bits 0. LLVM's direct conversion
+        # to int8/int16 is undefined out of range, and its vector code saturated
+        # (300.0 -> 127 where torch gives 44).
+        if v >= -2147483648.0 and v < 2147483648.0:
+            a[i] = np.int32(v)
+        else:
+            a[i] = 0
+    return store_float
+
+
 @numba.njit(nogil=True, cache=True)
 def store_f16(a, i, v):
     a[i] = _f32_to_half_bits(np.float32(v))
@@ -149,8 +172,10 @@ def store_bf16(a, i, v):
     a[i] = f32_to_bf16_bits(np.float32(v))
 
 
-LOADS = {"plain": load_plain, "u8": load_plain, "f16": load_f16, "bf16": load_bf16}
-STORES = {"plain": store_plain, "u8": store_u8, "f16": store_f16, "bf16": store_bf16}
+LOADS = {"plain": load_plain, "u8": load_plain, "i8": load_plain, "i16": load_plain, "f16": load_f16,
+         "bf16": load_bf16}
+STORES = {"plain": store_plain, "u8": store_u8, "i8": store_narrow_int, "i16": store_narrow_int,
+          "f16": store_f16, "bf16": store_bf16}
 
 
 def storage(dtype: torch.dtype, raw: bool):
