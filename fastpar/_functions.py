@@ -10,6 +10,17 @@ from . import comm
 from ._plan import transient_tensors
 
 
+def _sparse_aliased(outputs, inputs) -> list:
+    """``outputs`` with each sparse COO tensor that is one of ``inputs`` replaced by an
+    alias (the same indices and values): autograd makes an input returned as an output
+    into a view of it, and sparse tensors have no views (torch's own Broadcast fails
+    there)."""
+    sparse = {id(t) for t in inputs if t is not None and t.layout == torch.sparse_coo}
+    if not sparse:
+        return list(outputs)
+    return [comm.sparse_alias(t) if id(t) in sparse else t for t in outputs]
+
+
 class Broadcast(Function):
     """Copies of ``inputs`` on every device of ``placement`` (a
     :class:`fastpar.replicate._Placement`), which lays each device's copies out in its
@@ -24,10 +35,7 @@ class Broadcast(Function):
         if not inputs:
             return ()
         outputs = placement.place(inputs)
-        # The first device's outputs are the inputs themselves, which autograd turns into
-        # views; sparse COO tensors have no views, so that device gets an alias instead
-        # (the same indices and values) where torch's Broadcast fails.
-        outputs[0] = [comm.sparse_alias(t) if t.layout == torch.sparse_coo else t for t in outputs[0]]
+        outputs[0] = _sparse_aliased(outputs[0], inputs)
         non_differentiables = []
         for idx, needs in enumerate(ctx.needs_input_grad[1:]):
             if not needs:
@@ -55,6 +63,7 @@ class BroadcastCoalesced(Function):
             return ()
         with transient_tensors():  # a step's gradients: don't keep their plans
             copies = comm.broadcast_coalesced(list(inputs), devices)
+        copies[0] = _sparse_aliased(copies[0], inputs)
         return tuple(t for tensors in copies for t in tensors)
 
     @staticmethod
@@ -71,7 +80,8 @@ class ReduceAddCoalesced(Function):
         ctx.devices = devices
         per_device = [list(grads[i : i + num_inputs]) for i in range(0, len(grads), num_inputs)]
         with transient_tensors():  # a step's gradients: don't keep their plans
-            return tuple(comm.reduce_add_coalesced(per_device, destination))
+            # (One device: the sums are the gradients themselves.)
+            return tuple(_sparse_aliased(comm.reduce_add_coalesced(per_device, destination), grads))
 
     @staticmethod
     def backward(ctx, *grad_outputs):

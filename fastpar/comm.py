@@ -187,6 +187,8 @@ def _check_copy_targets(outs, name: str, srcs) -> None:
     """Every refusal of ``outs[i].copy_(srcs[i])``, checked for all outputs before the
     first is written (a refusal half-way left earlier outputs written)."""
     for i, (o, src) in enumerate(zip(outs, srcs)):
+        if src.is_meta and not o.is_meta:
+            raise ValueError(f"tensor is a meta tensor, with no data to copy into {name}[{i}] (on {o.device})")
         _check_copy_target(o, f"{name}[{i}]", src_requires_grad=src.requires_grad)
         if _partially_overlap(o, src):
             raise RuntimeError(f"{name}[{i}] partly overlaps the memory of its source; it must be a separate buffer")
@@ -236,13 +238,19 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+
+
 def _partially_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """ATen's ``get_overlap_status(a, b) == PARTIAL``, which its copies refuse: both
     dense, in one storage, their byte spans meeting without being the same elements.
     (Overlaps it cannot judge, non-dense tensors, it lets through, and so do we.)"""
-    if a is b or a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+    if a is b or a.numel() == 0 or b.numel() == 0 or a.device != b.device or a.is_meta:
         return False
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() or not (_dense(a) and _dense(b)):
+    # One storage object (ATen's is_alias_of), not one address: two storages over the
+    # same memory (from_dlpack, from_numpy twice) are separate to ATen's check.
+    if not _same_storage(a, b) or not (_dense(a) and _dense(b)):
         return False
     a0, b0 = a.data_ptr(), b.data_ptr()
     a1, b1 = a0 + a.numel() * a.element_size(), b0 + b.numel() * b.element_size()
@@ -865,9 +873,15 @@ def gather(tensors, dim=0, destination=None, *, out=None):
         _check_copy_target(out, "out", src_requires_grad=any(t.requires_grad for t in ts))
         off = 0
         for i, t in enumerate(ts):  # as torch's, each input is copied into its slice
+            if t.is_meta and not out.is_meta:
+                raise ValueError(f"tensors[{i}] is a meta tensor, with no data to copy into out (on {out.device})")
             if _partially_overlap(out.narrow(dim, off, t.size(dim)), t):
                 raise RuntimeError(f"out partly overlaps the memory of tensors[{i}]; it must be a separate buffer")
             off += t.size(dim)
+        # Inputs already in out's storage (each its own slice: torch copies nothing) take
+        # the per-input copies, which skip the same elements, not the one-launch path,
+        # which refuses any overlap.
+        in_place = any(_same_storage(out, t) for t in ts)
         dst = out.device
     else:
         devs = [t.device for t in ts]
@@ -881,6 +895,7 @@ def gather(tensors, dim=0, destination=None, *, out=None):
                     FutureWarning, stacklevel=2,
                 )
             dst = _device(destination, "destination")
+        in_place = False
         fmt = _shared_memory_format(ts)
         if fmt is torch.contiguous_format:
             out = _alloc.empty(shape, dtype=t0.dtype, device=dst)
@@ -890,7 +905,7 @@ def gather(tensors, dim=0, destination=None, *, out=None):
     # copy is invisible to it.)
     tracked = torch.is_grad_enabled() and (out.requires_grad or any(t.requires_grad for t in ts))
     if dim == 0 and out.is_contiguous() and all(t.device == dst for t in ts) and out.numel() \
-            and out.element_size() in (1, 2, 4, 8) and not tracked:
+            and out.element_size() in (1, 2, 4, 8) and not tracked and not in_place:
         # Rows of a contiguous result along dim 0 are the inputs laid end to end: one
         # flatten launch instead of one copy per input (flatten moves elements of up to
         # 8 bytes; complex128 takes the copies below).

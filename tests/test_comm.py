@@ -744,6 +744,44 @@ def test_out_partly_overlapping_its_source_is_refused_before_writing(op):
     assert comm.broadcast(same, out=[first[:4], same])[1] is same  # the same elements: torch copies nothing
 
 
+def test_out_overlap_check_follows_aten_where_it_lets_copies_through():
+    """ATen judges overlap within one storage object and ignores meta tensors: two
+    storages over the same memory (from_dlpack) and meta outputs are copied, as torch
+    copies them; inputs that are exactly their own slices of gather's out are no-ops."""
+    x = torch.arange(12.0)
+    twin = torch.from_dlpack(x)  # another storage object over x's memory
+    y = torch.arange(12.0)
+    torch.from_dlpack(y)[4:8].copy_(y[2:6])  # what torch's copy leaves
+    first = poisoned(4)
+    comm.broadcast(x[2:6], out=[first, twin[4:8]])
+    assert torch.equal(x, y) and torch.equal(first, torch.arange(2.0, 6.0))
+    s = torch.empty(4, 3, device="meta").t()
+    assert comm.broadcast(s, out=[torch.empty(3, 4, device="meta")])[0].is_meta
+    for dim in (0, 1):
+        buf = torch.arange(8.0).view(2, 4) if dim == 1 else torch.arange(8.0)
+        before = buf.clone()
+        halves = buf.split([1, 3] if dim == 1 else [4, 4], dim)
+        assert comm.gather(list(halves), dim, out=buf) is buf and torch.equal(buf, before)
+
+
+@pytest.mark.parametrize("op", ["broadcast", "scatter", "gather"])
+def test_meta_source_into_real_out_is_refused_before_writing(op):
+    meta = torch.empty(3, device="meta")
+    if op == "broadcast":
+        out = [poisoned(3), poisoned(3)]
+        call = lambda: comm.broadcast(meta, out=out)
+    elif op == "scatter":
+        out = [poisoned(3), poisoned(3)]
+        call = lambda: comm.scatter(torch.empty(6, device="meta"), out=out)
+    else:  # the real input comes first: it used to be copied before the meta one failed
+        out = [poisoned(6)]
+        call = lambda: comm.gather([torch.ones(3), meta], out=out[0])
+    before = snapshot(out)
+    with pytest.raises(ValueError, match=r"is a meta tensor, with no data to copy into out"):
+        call()
+    assert_unchanged(out, before, what=f"out of a rejected {op}")
+
+
 def test_out_leaf_requiring_grad_is_written_under_no_grad():
     t = torch.randn(4, 2)
     out = [_leaf_rg(4, 2), _leaf_rg(4, 2)]

@@ -375,3 +375,18 @@ def test_sparse_buffers_and_parameters_replicate_and_train():
     assert net.w.grad.layout == torch.sparse_coo
     for k, p in net.named_parameters():
         torch.testing.assert_close(p.grad.to_dense(), ref[k], rtol=1e-12, atol=1e-12, msg=lambda m: f"{k}: {m}")
+
+    # One replica (a batch smaller than the device count): the reduction's sums are the
+    # gradients themselves, returned from an autograd Function, as aliases.
+    net.zero_grad(set_to_none=True)
+    dp(x[:1]).pow(2).sum().backward()
+    single = net.w.grad.to_dense().clone()
+    net.zero_grad(set_to_none=True)
+    net(x[:1]).pow(2).sum().backward()
+    torch.testing.assert_close(single, net.w.grad.to_dense(), rtol=1e-12, atol=1e-12)
+
+    # Second order: the reduction's backward broadcasts the sparse gradient.
+    def second(model):
+        g, = torch.autograd.grad(model(x).pow(2).sum(), net.w, create_graph=True)
+        return torch.autograd.grad(g.to_dense().pow(2).sum(), net.w)[0].to_dense()
+    torch.testing.assert_close(second(dp), second(net), rtol=1e-12, atol=1e-12)
