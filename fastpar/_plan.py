@@ -279,11 +279,24 @@ class Plan(_Numel):
             hit = self.__dict__["_has_inference"] = any(t.is_inference() for t in self.tensors)
         return hit
 
+    @property
+    def requires_grad(self) -> int:
+        """Position of the first tensor requiring grad, or -1: found when first asked
+        (a Python loop over the tensors) and then kept, since a training loop's reused
+        ``out`` buffers keep their flag. A ``requires_grad_()`` on a tensor after that
+        is not seen."""
+        hit = self.__dict__.get("_requires_grad")
+        if hit is None:
+            hit = self.__dict__["_requires_grad"] = next(
+                (i for i, t in enumerate(self.tensors) if t.requires_grad), -1)
+        return hit
+
     def self_overlap(self) -> tuple[int, int] | None:
         """``(i, j)``, ``i != j``, such that tensors ``i`` and ``j`` may share memory, or
         None (computed once per plan). Exact between contiguous tensors; a non-contiguous
-        one counts as its whole storage against contiguous ones; two non-contiguous
-        tensors are not compared (their storage spans would flag disjoint columns)."""
+        one counts as its whole storage against contiguous ones; non-contiguous tensors
+        whose spans meet are compared element by element (disjoint columns of one matrix
+        pass), up to ``_EXACT_MAX`` elements in all, beyond which meeting spans count."""
         if "_self_overlap" in self.__dict__:
             return self.__dict__["_self_overlap"]
         result = None
@@ -305,6 +318,8 @@ class Plan(_Numel):
                 if len(hit):
                     result = (min(int(hit[0]), int(j)), max(int(hit[0]), int(j)))
                     break
+        if result is None:
+            result = _strided_self_overlap(self.tensors, live[nc[live]], self.spans)
         self.__dict__["_self_overlap"] = result
         return result
 
@@ -325,6 +340,46 @@ class Plan(_Numel):
         result = int(hit[0]) if len(hit) else -1
         self.__dict__["_last_overlap"] = (lo, hi, result)
         return result
+
+
+#: Elements (of non-contiguous tensors whose spans meet) that ``self_overlap`` compares
+#: one by one; beyond it, meeting spans count as shared memory.
+_EXACT_MAX = 1 << 22
+
+
+def _element_starts(t: torch.Tensor) -> np.ndarray:
+    """Address of every element of ``t``."""
+    off = np.zeros(1, np.int64)
+    for n, st in zip(t.shape, t.stride()):
+        off = (off[:, None] + np.arange(n, dtype=np.int64)[None, :] * st).reshape(-1)
+    return t.data_ptr() + off * t.element_size()
+
+
+def _strided_self_overlap(tensors, idx: np.ndarray, spans: np.ndarray):
+    """``(i, j)`` among non-contiguous ``tensors[idx]`` sharing an element's bytes, or None."""
+    if len(idx) < 2:
+        return None
+    order = idx[np.argsort(spans[idx, 0], kind="stable")]
+    if not (spans[order[1:], 0] < np.maximum.accumulate(spans[order, 1])[:-1]).any():
+        return None  # no two spans meet
+    cand = order
+    if sum(tensors[i].numel() for i in cand) > _EXACT_MAX:
+        a, b = sorted(int(i) for i in cand[:2])
+        return (a, b)
+    starts = np.concatenate([_element_starts(tensors[i]) for i in cand])
+    ends = starts + np.concatenate([np.full(tensors[i].numel(), tensors[i].element_size(), np.int64) for i in cand])
+    owner = np.concatenate([np.full(tensors[i].numel(), i, np.int64) for i in cand])
+    o = np.argsort(starts, kind="stable")
+    starts, ends, owner = starts[o], ends[o], owner[o]
+    # Each element against the one reaching furthest before it (an element of its own
+    # tensor only where that tensor overlaps itself, which is refused on its own).
+    furthest = np.maximum.accumulate(ends)
+    arg = np.maximum.accumulate(np.where(ends == furthest, np.arange(len(ends)), 0))
+    bad = np.nonzero((starts[1:] < furthest[:-1]) & (owner[1:] != owner[arg[:-1]]))[0]
+    if not len(bad):
+        return None
+    a, b = int(owner[bad[0] + 1]), int(owner[arg[bad[0]]])
+    return (min(a, b), max(a, b))
 
 
 def _build(tup: tuple, cache: bool = True, name: str = "tensors") -> Plan:

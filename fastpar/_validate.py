@@ -76,7 +76,20 @@ def check_flat(t, name: str, *, numel: int, dtype: torch.dtype | None, device: t
     check_memory(t, name)
     if written:
         check_not_inference(t, name)
+        check_not_recorded(t, name)
     return t
+
+
+def check_not_recorded(t: torch.Tensor, name: str) -> None:
+    """With grad mode on, an output requiring grad is refused, as torch's ``out=``
+    functions refuse it: a kernel writes it where autograd cannot see, which would leave
+    its history (or a leaf's gradient) wrong."""
+    if t.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{name} requires grad; fastpar's kernels write it outside autograd, which would leave its "
+            "gradient wrong (torch's out= functions refuse it too): write it under torch.no_grad(), "
+            "or pass a tensor that does not require grad"
+        )
 
 
 def check_not_inference(t: torch.Tensor, name: str) -> None:

@@ -40,7 +40,7 @@ from . import _alloc, _cuda, _dispatch, _tuning
 from ._fastcheck import increment_versions
 from ._flatten import byte_layout, byte_views, flatten, pack_bytes, region, split_views
 from ._plan import ReduceGroup, plan_for
-from ._validate import CAST_DTYPES, check_not_inference, check_writable
+from ._validate import CAST_DTYPES, check_not_inference, check_not_recorded, check_writable
 
 __all__ = [
     "broadcast",
@@ -677,6 +677,9 @@ def _check_out(out, p0, plans, dst):
             )
         raise ValueError(f"out[{i}] must be contiguous (the kernel writes it in place), got strides {o.stride()}")
     check_writable(out_plan, "out")
+    if torch.is_grad_enabled() and out_plan.requires_grad >= 0:
+        i = out_plan.requires_grad
+        check_not_recorded(out_plan.tensors[i], f"out[{i}]")
     hit = out_plan.self_overlap()
     if hit is not None:
         raise ValueError(

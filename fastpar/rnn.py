@@ -29,7 +29,7 @@ from torch.autograd.graph import increment_version
 from . import _alloc, _dispatch, _tuning
 from ._flatten import _staged_groups
 from ._plan import Group, plan_for
-from ._validate import check_conversion, check_memory
+from ._validate import check_conversion, check_memory, check_not_inference, check_not_recorded
 
 __all__ = ["RNNLayout", "flatten_parameters", "is_flat", "pack"]
 
@@ -295,6 +295,8 @@ def _flatten_checks(module):
     _check_one_device_dtype(weights, names)
     layout = RNNLayout.for_module(module)
     _check_shapes(weights, layout, lambda i: f"module.{names[i]}")
+    if weights[0].is_meta:
+        raise ValueError(f"module's weights are meta tensors (module.{names[0]} is on meta): there is no memory to pack")
     ptrs = {}
     for n, w in zip(names, weights):
         if w.numel() and w.data_ptr() in ptrs:
@@ -369,7 +371,7 @@ def _check_shapes(weights, layout: RNNLayout, label) -> None:
             )
 
 
-def _check_out(t, layout: RNNLayout, name: str) -> None:
+def _check_out(t, layout: RNNLayout, name: str, *, written: bool = False) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
@@ -394,6 +396,14 @@ def _check_out(t, layout: RNNLayout, name: str) -> None:
             f"got storage offset {t.storage_offset()}"
         )
     check_memory(t, name)
+    if written:  # (what flatten checks of its out)
+        if t.is_conj() or t.is_neg():
+            raise ValueError(
+                f"{name} is a lazily {'conjugated' if t.is_conj() else 'negated'} view (its bits are not "
+                f"its values); pass {name}.resolve_conj() / .resolve_neg(), or a plain tensor"
+            )
+        check_not_inference(t, name)
+        check_not_recorded(t, name)
 
 
 # --- packing ----------------------------------------------------------------------------
@@ -476,7 +486,7 @@ def _pack(weights, layout: RNNLayout, out, cache: bool, more_outs=()) -> torch.T
     given = [] if out is None else [("out", out)]
     given += [(f"more_outs[{j}]", t) for j, t in enumerate(more_outs)]
     for name, t in given:
-        _check_out(t, layout, name)
+        _check_out(t, layout, name, written=True)
         i = plan.overlaps(t)
         if i >= 0:
             raise ValueError(f"{name} overlaps the memory of weights[{i}] ({layout.names[i]}); it must be a separate buffer")

@@ -782,6 +782,18 @@ def test_meta_source_into_real_out_is_refused_before_writing(op):
     assert_unchanged(out, before, what=f"out of a rejected {op}")
 
 
+def test_reduce_out_requiring_grad_is_refused_with_grad_on():
+    a = [torch.randn(3), torch.randn(2)]
+    out = [poisoned(3), torch.zeros(2, requires_grad=True) * 1]
+    before = snapshot(out)
+    with pytest.raises(RuntimeError, match=r"out\[1\] requires grad"):
+        comm.reduce_add_coalesced([a, a], "cpu", out=out)
+    assert_unchanged(out, before, what="out of a rejected reduce_add_coalesced")
+    with torch.no_grad():
+        comm.reduce_add_coalesced([a, a], "cpu", out=out)
+    assert torch.equal(out[1], 2 * a[1])
+
+
 def test_out_leaf_requiring_grad_is_written_under_no_grad():
     t = torch.randn(4, 2)
     out = [_leaf_rg(4, 2), _leaf_rg(4, 2)]

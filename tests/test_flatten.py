@@ -661,6 +661,34 @@ def test_inference_tensors_are_written_only_in_inference_mode():
     assert torch.equal(x, torch.ones(3)) and torch.equal(y.t().reshape(-1), torch.arange(3.0, 7.0))
 
 
+def test_results_carry_no_history_on_every_backend(backend):
+    """The kernels write outside autograd; the torch reference backend used to record
+    its copies (an out buffer came back requiring grad, and the next call refused it)."""
+    ts = [torch.randn(3, requires_grad=True), torch.randn(2, 2, requires_grad=True)]
+    assert not fastpar.flatten(ts).requires_grad
+    out = poison_(torch.empty(7))
+    fastpar.flatten(ts, out=out, dtype=torch.float32, scale=0.5)
+    fastpar.flatten(ts, out=out)  # again: out still does not require grad
+    assert not out.requires_grad and out.grad_fn is None
+    assert torch.equal(out, torch.cat([t.detach().reshape(-1) for t in ts]))
+
+
+@pytest.mark.parametrize("make", [lambda: torch.zeros(3, requires_grad=True),
+                                  lambda: torch.ones(3, requires_grad=True) * 2], ids=["leaf", "non-leaf"])
+def test_flatten_out_requiring_grad_is_refused_with_grad_on(make):
+    """As torch's out= functions: written by a kernel autograd cannot see, its gradient
+    would be wrong (a non-leaf's history kept for values it no longer holds)."""
+    a = torch.tensor([5.0, 6.0, 7.0])
+    out = make()
+    before = out.detach().clone()
+    with pytest.raises(RuntimeError, match=r"out requires grad; fastpar's kernels write it outside autograd"):
+        fastpar.flatten([a], out=out)
+    assert torch.equal(out.detach(), before)
+    with torch.no_grad():
+        fastpar.flatten([a], out=out)
+    assert torch.equal(out.detach(), a)
+
+
 def test_unflatten_into_rejects_destinations_that_share_memory():
     base = poison_(torch.empty(12))
     for dst in ([base[:8], base[4:]], [base[:4], base[:4]], [base.view(3, 4).t(), base]):
@@ -672,6 +700,42 @@ def test_unflatten_into_rejects_destinations_that_share_memory():
     m = torch.zeros(4, 6)
     fastpar.unflatten_into(torch.arange(8.0), [m[:, 0], m[:, 1]])
     assert torch.equal(m[:, :2].t().reshape(-1), torch.arange(8.0))
+
+
+def test_unflatten_into_compares_non_contiguous_destinations_element_by_element():
+    """Two non-contiguous views of one buffer are refused exactly when they share an
+    element (a brute-force set of addresses decides), and nothing is written then;
+    otherwise every slice lands. Two views of one column used to be accepted, the last
+    write winning."""
+    g = torch.Generator().manual_seed(7)
+    refused = accepted = 0
+    for _ in range(300):
+        base = poison_(torch.empty(6, 8))
+        views = []
+        for _ in range(int(torch.randint(2, 4, (1,), generator=g))):
+            r0, c0 = (int(v) for v in torch.randint(0, 3, (2,), generator=g))
+            rs, cs = (int(v) for v in torch.randint(1, 4, (2,), generator=g))
+            v = base[r0::rs, c0::cs]
+            views.append(v.t() if torch.rand(1, generator=g) < 0.5 else v)
+        views = [v for v in views if not v.is_contiguous()]
+        if len(views) < 2:
+            continue
+        addrs = [{v.data_ptr() + 4 * sum(i * st for i, st in zip(idx, v.stride())) for idx in np.ndindex(*v.shape)}
+                 for v in views]
+        shared = any(addrs[i] & addrs[j] for i in range(len(views)) for j in range(i))
+        flat = torch.arange(float(sum(v.numel() for v in views)))
+        before = base.clone()
+        if shared:
+            with pytest.raises(ValueError, match=r"share memory"):
+                fastpar.unflatten_into(flat, views)
+            assert torch.equal(base.isnan(), before.isnan()), "a rejected call wrote"
+            refused += 1
+        else:
+            fastpar.unflatten_into(flat, views)
+            assert torch.equal(torch.cat([v.reshape(-1) for v in views]), flat)
+            accepted += 1
+    assert refused > 20 and accepted > 20, (refused, accepted)
+
 
 def test_bad_backend_name(monkeypatch):
     monkeypatch.setenv("FASTPAR_BACKEND", "cuda-magic")

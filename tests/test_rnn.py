@@ -449,6 +449,16 @@ def test_inference_weight_is_refused_before_anything_is_rebound():
         assert rnn.is_flat(m2)
 
 
+def _inference_poisoned(n):
+    with torch.inference_mode():
+        return poisoned(n)
+
+
+def test_flatten_parameters_of_a_meta_module_says_so():
+    with pytest.raises(ValueError, match=r"module's weights are meta tensors"):
+        rnn.flatten_parameters(torch.nn.LSTM(3, 2, device="meta"))
+
+
 def test_pack_bad_out_and_weights():
     m = make("LSTM", 1, False, True, PROJ)
     ws = list(m._flat_weights)
@@ -462,6 +472,13 @@ def test_pack_bad_out_and_weights():
         (dict(out=torch.empty(n, device="meta")), ValueError, "must be on cpu"),
         (dict(out=poisoned(2, n)[:, 0]), ValueError, "contiguous 1-D"),
         (dict(out=[0.0] * n), TypeError, "out must be a torch.Tensor, got list"),
+        # What flatten refuses of its out (pack took them: a negated view was written
+        # negated, an inference tensor outside inference mode, and a tensor requiring
+        # grad without its history).
+        (dict(out=torch._neg_view(poisoned(n))), ValueError, "out is a lazily negated view"),
+        (dict(out=_inference_poisoned(n)), RuntimeError, "out is an inference tensor"),
+        (dict(out=poisoned(n).requires_grad_()), RuntimeError, "out requires grad"),
+        (dict(out=poisoned(n).requires_grad_() * 1), RuntimeError, "out requires grad"),
     ]
     for kwargs, exc, match in cases:
         out = kwargs["out"]

@@ -18,16 +18,19 @@ def _scaled(src: torch.Tensor, dst_dtype: torch.dtype, scale: float | None) -> t
     return src.to(compute) * scale
 
 
+@torch.no_grad()  # (the kernels write outside autograd: results carry no history)
 def flatten(group, out: torch.Tensor, scale: float | None) -> None:
     for t, piece in _pieces(group, out):
         piece.copy_(_scaled(t, out.dtype, scale))
 
 
+@torch.no_grad()  # (the kernels write outside autograd: results carry no history)
 def unflatten_into(group, flat: torch.Tensor, scale: float | None) -> None:
     for t, piece in _pieces(group, flat):
         t.copy_(_scaled(piece, t.dtype, scale))
 
 
+@torch.no_grad()  # (the kernels write outside autograd: results carry no history)
 def broadcast(group, outs: list) -> None:
     for out in outs:
         flatten(group, out, None)

@@ -14,6 +14,7 @@ def _per_tensor(side, numels):
     return side
 
 
+@torch.no_grad()  # (the kernels write outside autograd: results carry no history)
 def reduce_add(group) -> None:
     """Write ``sum_k src[k][t]`` into every destination ``t`` of ``group``."""
     acc_dtype = _ACC.get(group.dtype, group.dtype if group.dtype.is_floating_point else torch.int64)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 
+@torch.no_grad()  # (the kernels write outside autograd: results carry no history)
 def scale(group, factor: float, divide: bool) -> None:
     """Replace every tensor ``t`` of ``group`` by ``t * factor`` (``t / factor`` when
     ``divide``), computed in float32 (float64 for float64) and rounded once to its dtype."""
