@@ -58,7 +58,10 @@ _DEFAULT_BUFFER = 10485760
 
 
 # ----------------------------------------------------------------------------- devices
-def _device(d, name: str) -> torch.device:
+def _device(d, name: str, *, available: bool = True) -> torch.device:
+    """``d`` as a torch.device; ``cpu:N`` is the one host memory (``cpu``). With
+    ``available``, a CUDA device on a machine without CUDA is refused here, by name,
+    rather than by torch's CUDA calls later."""
     if isinstance(d, bool):
         raise TypeError(f"{name} must be an int, str or torch.device, got bool {d!r}")
     if isinstance(d, torch.device):
@@ -72,11 +75,23 @@ def _device(d, name: str) -> torch.device:
             raise ValueError(f"{name}: {d!r} is not a device ({e})") from None
     else:
         raise TypeError(f"{name} must be an int, str or torch.device, got {type(d).__name__} {d!r}")
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    if dev.type not in ("cpu", "cuda"):
+    if dev.type == "cpu":
+        return _CPU
+    if dev.type != "cuda":
         raise ValueError(f"{name} must be a CUDA device or 'cpu', got {dev}")
+    if not torch.cuda.is_available():
+        if available:
+            raise RuntimeError(
+                f"{name} is {d!r} (a CUDA device), but CUDA is not available here; "
+                "host replicas take 'cpu' entries (e.g. ['cpu', 'cpu'])"
+            )
+        return torch.device("cuda", dev.index or 0)
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
     return dev
+
+
+_CPU = torch.device("cpu")
 
 
 def _devices(devices, name: str, *, unique: bool = True) -> list[torch.device]:
@@ -87,8 +102,10 @@ def _devices(devices, name: str, *, unique: bool = True) -> list[torch.device]:
         devices = list(devices)  # any iterable, as torch's take (a generator, a range)
     if not devices:
         raise ValueError(f"{name} must name at least one device, got an empty {type(devices).__name__}")
-    devs = [_device(d, f"{name}[{i}]") for i, d in enumerate(devices)]
+    devs = [_device(d, f"{name}[{i}]", available=False) for i, d in enumerate(devices)]
     _check_device_set(devs, name, unique=unique)
+    if devs[0].type == "cuda":  # (after the set's own checks, which hold with or without CUDA)
+        _device(devices[0], f"{name}[0]")
     return devs
 
 
@@ -111,8 +128,8 @@ def _destination(destination, devs, name: str = "destination") -> torch.device:
     CUDA inputs, as torch, or the CPU for CPU replicas)."""
     if destination is None:
         dst = torch.device("cpu") if devs[0].type == "cpu" else torch.device("cuda", torch.cuda.current_device())
-    else:
-        dst = _device(destination, name)
+    else:  # (membership decides: inputs on a device mean that device is there)
+        dst = _device(destination, name, available=False)
     if dst not in devs:
         raise ValueError(
             f"{name} must be one of the inputs' devices {sorted({str(d) for d in devs})}, got {dst}"

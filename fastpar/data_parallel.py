@@ -34,6 +34,24 @@ def _names_cpu(d) -> bool:
         return False
 
 
+def _checked_ids(device_ids) -> list:
+    """``device_ids`` as a list, each entry a device name or index (with or without
+    CUDA here: a typo must not pass as "CUDA ids, ignored")."""
+    if isinstance(device_ids, (str, bytes, int, torch.device)) or not hasattr(device_ids, "__iter__"):
+        raise TypeError(
+            "device_ids must be a list of devices (e.g. [0, 1], or ['cpu', 'cpu'] for host replicas), "
+            f"got {type(device_ids).__name__} {device_ids!r}"
+        )
+    device_ids = list(device_ids)
+    for i, d in enumerate(device_ids):
+        if isinstance(d, int) and not isinstance(d, bool) and d < 0:
+            raise ValueError(f"device_ids[{i}] must be a CUDA device index (>= 0) or a device, got {d}")
+    if device_ids:
+        comm._check_device_set([comm._device(d, f"device_ids[{i}]", available=False)
+                                for i, d in enumerate(device_ids)], "device_ids")
+    return device_ids
+
+
 def _cuda_ids_without_cuda(device_ids) -> bool:
     """True if ``device_ids`` asks for no CPU replica and there is no CUDA: torch's
     wrapper then ignores the ids (no accelerator, no parallelism)."""
@@ -49,9 +67,11 @@ class DataParallel(torch.nn.DataParallel[T]):
     gathers the outputs on ``output_device``. In backward, the replicas' gradients
     reach ``module``'s in one fused reduce-add launch per dtype.
 
-    The module's own RNN weights are packed in place once (:func:`fastpar.rnn.flatten_parameters`,
-    which keeps the Parameter objects), so every replica, the first included, hands
-    cuDNN a ready buffer.
+    On CUDA, the module's own RNN weights are packed in place once
+    (:func:`fastpar.rnn.flatten_parameters`, which keeps the Parameter objects), so every
+    replica, the first included, hands cuDNN a ready buffer. Host replicas leave the
+    module's weights as they are (there is no cuDNN to feed, and repacking would break a
+    graph built through them before).
 
     Same constructor, checks, warnings and forward flow as torch's, with the forward in
     four overridable steps: :meth:`scatter`, :meth:`replicate`, :meth:`parallel_apply`,
@@ -86,7 +106,7 @@ class DataParallel(torch.nn.DataParallel[T]):
         torch._C._log_api_usage_once("fastpar.DataParallel")
         if device_ids is None:
             device_ids = _default_device_ids()
-        elif _cuda_ids_without_cuda(device_ids):
+        elif _cuda_ids_without_cuda(_checked_ids(device_ids)):
             warnings.warn(
                 f"fastpar.DataParallel: CUDA is not available, so device_ids={list(device_ids)!r} are "
                 "ignored and the module runs as is (as torch.nn.DataParallel does); pass "

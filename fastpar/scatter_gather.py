@@ -93,8 +93,14 @@ def gather(outputs, target_device, dim=0):
             if not all(len(out) == len(d) for d in outs):
                 raise ValueError("All dicts must have the same number of keys")
             return type(out)((k, gather_map([d[k] for d in outs])) for k in out)
-        # strict: replicas returning sequences of different lengths is an error (as in
-        # torch), not a silently truncated result.
+        # Replicas returning sequences of different lengths is an error (as in torch),
+        # not a silently truncated result.
+        lengths = [len(o) for o in outs]
+        if any(n != lengths[0] for n in lengths):
+            raise ValueError(
+                f"the replicas returned {type(out).__name__}s of different lengths {lengths} "
+                "(one per replica); they must match to be gathered"
+            )
         if _is_namedtuple(out):
             return type(out)._make(map(gather_map, zip(*outs, strict=True)))
         return type(out)(map(gather_map, zip(*outs, strict=True)))

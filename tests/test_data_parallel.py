@@ -423,6 +423,29 @@ def test_device_ids_are_torch_style():
     assert dp.device_ids == [torch.device("cpu")] * 2 and dp.output_device == torch.device("cpu")
 
 
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(device_ids="cpu"), TypeError, r"device_ids must be a list of devices .* got str 'cpu'"),
+    (dict(device_ids=["gpu", "gpu"]), ValueError, r"device_ids\[0\]: 'gpu' is not a device"),
+    (dict(device_ids=[-1, -1]), ValueError, r"device_ids\[0\] must be a CUDA device index \(>= 0\)"),
+    (dict(device_ids=[0, "cuda:0"]), ValueError, r"must not repeat a CUDA device"),
+], ids=["str", "typo", "negative", "repeat"])
+def test_device_id_mistakes_are_named_with_or_without_cuda(kwargs, exc, match):
+    """A typo must not pass as "CUDA ids, ignored" on a machine without CUDA."""
+    with pytest.raises(exc, match=match):
+        DataParallel(nn.Linear(2, 2), **kwargs)
+
+
+def test_cpu_n_entries_are_host_replicas_and_cuda_output_without_cuda_is_named():
+    m = nn.Linear(3, 2).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    dp = DataParallel(m, device_ids=["cpu:0", torch.device("cpu", 1)])
+    assert dp.device_ids == [torch.device("cpu")] * 2
+    torch.testing.assert_close(dp(x), m(x))
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match=r"output_device is 0 \(a CUDA device\), but CUDA is not available"):
+            DataParallel(m, device_ids=["cpu", "cpu"], output_device=0)
+
+
 def test_functional_data_parallel():
     model = nn.Linear(3, 2).double()
     x = torch.randn(5, 3, dtype=torch.float64)
