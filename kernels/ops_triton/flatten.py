@@ -81,7 +81,9 @@ def _copy_kernel(
             dst = tl.multiple_of(dst, 16)
         dst = dst + idx
     if SCALED:
-        x = x.to(COMPUTE) * tl.cast(scale, COMPUTE)
+        # (tl.full, not tl.cast: the interpreter hands a Python float to the kernel, and
+        # tl.cast would make it float32 first; compiled, scale is a float64 argument.)
+        x = x.to(COMPUTE) * tl.full((), scale, COMPUTE)
     tl.store(dst, to_storage(x, DST), mask=mask)
 
 

@@ -79,7 +79,7 @@ def _scale_kernel(
         x = (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     else:
         x = tl.load(src + idx, mask=mask).to(COMPUTE)
-    f = tl.cast(factor, COMPUTE)
+    f = tl.full((), factor, COMPUTE)  # (not tl.cast: see flatten.py)
     if DIVIDE:
         if COMPUTE == tl.float32:
             # fp32 ``/`` compiles to an approximate division (div.full.f32); torch's
