@@ -26,7 +26,11 @@ def _info(args) -> int:
     print("devices:")
     for d in devices:
         name = torch.cuda.get_device_name(d) if d.type == "cuda" else platform.processor() or "cpu"
-        print(f"  {str(d):8s} {name:40s} backend={_dispatch.backend_for(d)}")
+        try:
+            backend = _dispatch.backend_for(d)
+        except ValueError as e:  # a bad FASTPAR_BACKEND: the diagnostic says so, not a traceback
+            backend = f"none ({e})"
+        print(f"  {str(d):8s} {name:40s} backend={backend}")
     if torch.cuda.device_count() > 1:
         n = torch.cuda.device_count()
         peers = [f"{i}->{j}" for i in range(n) for j in range(n) if i != j and torch.cuda.can_device_access_peer(i, j)]

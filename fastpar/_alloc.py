@@ -18,11 +18,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
-import os
 import sys
 import threading
 
 import torch
+
+from . import _env
 
 __all__ = ["empty", "gc_paused", "ResultCache", "use_count"]
 
@@ -34,7 +35,7 @@ _MIN_BYTES = 4 << 20
 
 
 def _load_madvise():
-    if not sys.platform.startswith("linux") or os.environ.get("FASTPAR_HUGE_PAGES", "1") == "0":
+    if not sys.platform.startswith("linux") or not _env.flag("FASTPAR_HUGE_PAGES", True):
         return None
     try:
         fn = ctypes.CDLL(None, use_errno=True).madvise
@@ -126,7 +127,7 @@ class ResultCache:
 
     def __init__(self, max_bytes: int | None = None, per_key: int = 2) -> None:
         if max_bytes is None:
-            max_bytes = int(float(os.environ.get("FASTPAR_RESULT_CACHE_MB", "1024")) * (1 << 20))
+            max_bytes = int(_env.number("FASTPAR_RESULT_CACHE_MB", 1024.0, float) * (1 << 20))
         self.max_bytes = max_bytes
         self.per_key = per_key
         self._slots: dict = {}  # (dtype, numel, inference mode) -> [IdleBuffer], oldest key first

@@ -6,9 +6,10 @@ import contextlib
 import contextvars
 import functools
 import importlib
-import os
 
 import torch
+
+from . import _env
 
 #: Backend name -> package of its kernels (same file and function names in each).
 BACKENDS = {
@@ -33,7 +34,7 @@ _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("fastpar_
 
 
 def _requested() -> str:
-    name = _override.get() or os.environ.get("FASTPAR_BACKEND", "auto")
+    name = _override.get() or _env.text("FASTPAR_BACKEND", "auto")
     if name != "auto" and name not in BACKENDS:
         raise ValueError(
             f"FASTPAR_BACKEND must be one of auto, {', '.join(BACKENDS)}; got {name!r}"
@@ -41,9 +42,10 @@ def _requested() -> str:
     return name
 
 
-def backend_for(device: torch.device) -> str:
-    """The backend that runs ops on ``device`` (``FASTPAR_BACKEND`` or :func:`use_backend`
-    override ``auto``)."""
+def backend_for(device) -> str:
+    """The backend that runs ops on ``device`` (a torch.device or a device string;
+    ``FASTPAR_BACKEND`` or :func:`use_backend` override ``auto``)."""
+    device = torch.device(device)
     name = _requested()
     if name == "auto":
         return AUTO.get(device.type, "torch")

@@ -20,7 +20,6 @@ import collections
 import contextlib
 import contextvars
 import operator
-import os
 import sys
 import weakref
 import threading
@@ -29,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from . import _env
 from ._fastcheck import metadata_snapshot, same_tensors
 from ._validate import no_memory_error
 
@@ -443,7 +443,7 @@ class _PlanCache:
     """
 
     def __init__(self) -> None:
-        self.size = int(os.environ.get("FASTPAR_PLAN_CACHE", "32"))
+        self.size = _env.number("FASTPAR_PLAN_CACHE", 32)
         self._plans: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0

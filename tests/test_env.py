@@ -1,0 +1,56 @@
+"""fastpar's environment variables: read with errors that name them."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fastpar
+from fastpar import _env
+
+
+def test_numbers_flags_and_text(monkeypatch):
+    monkeypatch.setenv("FASTPAR_X", " 12 ")
+    assert _env.number("FASTPAR_X", 3) == 12
+    monkeypatch.setenv("FASTPAR_X", "")
+    assert _env.number("FASTPAR_X", 3) == 3 and _env.flag("FASTPAR_X", True) is True
+    assert _env.text("FASTPAR_X", "auto") == "auto"
+    monkeypatch.setenv("FASTPAR_X", "1.5")
+    assert _env.number("FASTPAR_X", 1.0, float) == 1.5
+    for raw, want in [("0", False), ("off", False), ("No", False), ("FALSE", False), ("1", True), ("on", True)]:
+        monkeypatch.setenv("FASTPAR_X", raw)
+        assert _env.flag("FASTPAR_X", not want) is want, raw
+
+
+@pytest.mark.parametrize("raw,call,match", [
+    ("abc", lambda: _env.number("FASTPAR_X", 3), r"environment variable FASTPAR_X must be a whole number, got 'abc'"),
+    ("1.5", lambda: _env.number("FASTPAR_X", 3), r"must be a whole number, got '1.5'"),
+    ("-1", lambda: _env.number("FASTPAR_X", 3), r"FASTPAR_X must be at least 0, got '-1'"),
+    ("lots", lambda: _env.number("FASTPAR_X", 1.0, float), r"FASTPAR_X must be a number, got 'lots'"),
+    ("maybe", lambda: _env.flag("FASTPAR_X", True), r"FASTPAR_X must be one of 1, true, yes, on, 0, false, no, off"),
+])
+def test_bad_values_are_named(monkeypatch, raw, call, match):
+    monkeypatch.setenv("FASTPAR_X", raw)
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_empty_backend_means_auto_and_backend_for_takes_strings(monkeypatch):
+    monkeypatch.setenv("FASTPAR_BACKEND", "")
+    assert fastpar.backend_for("cpu") == fastpar.backend_for(torch.device("cpu")) == "numba"
+
+
+def test_bad_plan_cache_size_fails_import_naming_it():
+    r = subprocess.run([sys.executable, "-c", "import fastpar"], capture_output=True, text=True,
+                       env={**os.environ, "FASTPAR_PLAN_CACHE": "abc"}, timeout=120)
+    assert r.returncode != 0 and "FASTPAR_PLAN_CACHE must be a whole number, got 'abc'" in r.stderr
+
+
+def test_info_reports_a_bad_backend_instead_of_failing():
+    r = subprocess.run([sys.executable, "-m", "fastpar", "info"], capture_output=True, text=True,
+                       env={**os.environ, "FASTPAR_BACKEND": "bogus"}, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "backend=none (FASTPAR_BACKEND must be one of auto, triton, numba, torch; got 'bogus')" in r.stdout
