@@ -596,21 +596,24 @@ def register(ddp_model, hook, state=None) -> None:
     for name, p in ddp_model.module.named_parameters():
         if not p.requires_grad or name in ignored:
             continue
+        # DDP's buckets hold a complex gradient as its real view (view_as_real): the
+        # hook sees that real dtype.
+        dtype = p.dtype.to_real() if p.is_complex() else p.dtype
         if wire is not None:
             if id(p) in sparse:
                 raise TypeError(
                     f"{who} cannot cast sparse gradients, and parameter {name!r} gets them "
                     "(an nn.Embedding/EmbeddingBag with sparse=True); use allreduce_hook"
                 )
-            if p.dtype not in FLOAT_DTYPES:
+            if dtype not in FLOAT_DTYPES:
                 raise TypeError(
                     f"{who} casts gradients with fastpar, which supports "
                     f"{', '.join(map(str, FLOAT_DTYPES))}; parameter {name!r} is {p.dtype}. "
                     "Use allreduce_hook for it"
                 )
-        key = (p.device, p.dtype)
+        key = (p.device, dtype)
         if key not in checked:
-            _check_reducible(group, p.device, wire or p.dtype, who, f"gradients of parameter {name!r} ({p.dtype})")
+            _check_reducible(group, p.device, wire or dtype, who, f"gradients of parameter {name!r} ({p.dtype})")
             checked.add(key)
     ddp_model.register_comm_hook(state, hook)
 
