@@ -25,7 +25,7 @@ from fastpar._tuning import TuningFileError, TuningWarning
 SLUG = _tuning.device_info("cpu")["slug"]
 F32 = torch.float32
 SPACE = {"flatten": {"numba": {"params": {"chunk": {"values": [4096, 65536], "min": 1},
-                                          "parallel_min_bytes": {"values": [0], "min": 0}}}}}
+                                          "parallel_min_bytes": {"values": [16777216], "min": 4194304}}}}}
 BOUNDS = [65536, 1048576]
 
 
@@ -44,8 +44,8 @@ def _entry(bucket: int, chunk: int, op: str = "flatten") -> dict:
         "op": op, "backend": "numba", "src_dtype": "float32", "dst_dtype": "float32", "scale": None,
         "bucket": bucket, "numel": 1000, "default": {"chunk": 65536, "parallel_min_bytes": 4194304},
         "candidates": [{"params": {"chunk": 65536, "parallel_min_bytes": 4194304}, **cand},
-                       {"params": {"chunk": chunk, "parallel_min_bytes": 0}, **cand, "median_s": 5e-4}],
-        "winner": {"params": {"chunk": chunk, "parallel_min_bytes": 0}, "median_s": 5e-4, "gain_vs_default": 2.0},
+                       {"params": {"chunk": chunk, "parallel_min_bytes": 16777216}, **cand, "median_s": 5e-4}],
+        "winner": {"params": {"chunk": chunk, "parallel_min_bytes": 16777216}, "median_s": 5e-4, "gain_vs_default": 2.0},
     }
 
 
@@ -267,7 +267,7 @@ def test_valid_file_used_without_warning(results):
     _save(results, {_key(0): _entry(0, 4096), _key(2): _entry(2, 262144)})
     with warnings.catch_warnings():
         warnings.simplefilter("error", TuningWarning)
-        assert _tuning.params("flatten", "numba", F32, F32, 65536) == {"chunk": 4096, "parallel_min_bytes": 0}
+        assert _tuning.params("flatten", "numba", F32, F32, 65536) == {"chunk": 4096, "parallel_min_bytes": 16777216}
         assert _tuning.params("flatten", "numba", F32, F32, 65537) == {}  # bucket 1: not tuned
         assert _tuning.params("flatten", "numba", F32, F32, 10**8)["chunk"] == 262144
         assert _tuning.params("flatten", "numba", F32, torch.bfloat16, 100) == {}  # other dtype pair
@@ -304,7 +304,7 @@ def test_read_only_results_dir(results, monkeypatch):
     _ro_dir(ro, monkeypatch)
     try:
         # Reading works from a read-only dir.
-        assert _tuning.params("flatten", "numba", F32, F32, 100) == {"chunk": 4096, "parallel_min_bytes": 0}
+        assert _tuning.params("flatten", "numba", F32, F32, 100) == {"chunk": 4096, "parallel_min_bytes": 16777216}
         # Tuning into it: no crash, one warning, the old file intact, nothing left over.
         space = json.loads(_tuning.SPACE_PATH.read_text())
         space["ops"] = {"flatten": dict(space["ops"]["flatten"], sizes=[2048], quick_sizes=[2048],
