@@ -48,6 +48,10 @@ class LaunchCount:
     total: int = 0
     by_op: dict
 
+    def __repr__(self) -> str:
+        ops = ", ".join(f"{b}/{op}: {n}" for (b, op), n in sorted(self.by_op.items()))
+        return f"LaunchCount(total={self.total}{', ' + ops if ops else ''})"
+
 
 @contextlib.contextmanager
 def count_launches():

@@ -55,8 +55,10 @@ def flatten(tensors, *, dtype=None, scale=None, out=None):
             (non-contiguous and 0-dim included). They must share one dtype unless
             ``dtype`` is given.
         dtype (torch.dtype, optional): dtype of the result. Default: the tensors' dtype.
-        scale (float, optional): multiply every element by ``scale`` (computed in float32,
-            or float64 when either side is float64). Floating-point dtypes only.
+        scale (float or 0-dim Tensor, optional): multiply every element by ``scale``
+            (computed in float32, or float64 when either side is float64).
+            Floating-point dtypes only. A tensor is read with ``.item()`` (for a CUDA
+            tensor, that waits for it).
         out (Tensor, optional): a contiguous 1-D tensor of the total numel, ``dtype`` and
             device to write into; reusing one across calls avoids the allocation (on this
             CPU a fresh 100+ MB buffer costs more in page faults than the copy itself).
@@ -64,6 +66,23 @@ def flatten(tensors, *, dtype=None, scale=None, out=None):
 
     Returns:
         Tensor: ``out`` if given, else a new tensor.
+
+    Raises:
+        TypeError: ``tensors`` is not a sequence of dense tensors, they mix dtypes without
+            ``dtype``, or ``dtype``/``scale``/``out`` has the wrong type or dtype.
+        ValueError: the tensors are on several devices, or ``out`` has the wrong size,
+            device or layout, or overlaps an input.
+        RuntimeError: ``out`` cannot be written here (an inference tensor outside
+            inference mode, or a tensor requiring grad with grad mode on).
+
+    Nothing is written when a call is refused.
+
+    Example::
+
+        >>> params = [p.detach() for p in model.parameters()]
+        >>> flat = fastpar.flatten(params)  # one launch
+        >>> buf = torch.empty(flat.numel(), dtype=torch.bfloat16)
+        >>> fastpar.flatten(params, dtype=torch.bfloat16, scale=0.5, out=buf)  # cast and scale, same pass
 
     One launch per call on the ``triton`` and ``numba`` backends, whatever the number of
     tensors; when ``dtype`` is given and the inputs mix dtypes, one launch per input
@@ -108,6 +127,15 @@ def unflatten(flat, tensors):
 
     Returns:
         tuple of Tensor: views into ``flat`` (with ``flat``'s dtype and device).
+
+    Raises:
+        TypeError: ``tensors`` is not a sequence of dense tensors, or ``flat`` not a tensor.
+        ValueError: ``flat`` is not 1-D and contiguous, or holds another numel.
+
+    Example::
+
+        >>> flat = fastpar.flatten(grads)
+        >>> views = fastpar.unflatten(flat, grads)  # views[i] has grads[i]'s shape
     """
     plan = plan_for(tensors, "tensors")
     check_flat(flat, "flat", numel=plan.numel, dtype=None, device=None)
@@ -130,7 +158,22 @@ def unflatten_into(flat, tensors, *, scale=None) -> None:
             their total numel; it must not overlap them.
         tensors (sequence of Tensor): destinations; they may mix dtypes (one launch per
             dtype) and be non-contiguous (written through a contiguous temporary).
-        scale (float, optional): multiply on the way (floating-point dtypes only).
+        scale (float or 0-dim Tensor, optional): multiply on the way (floating-point
+            dtypes only), as in :func:`flatten`.
+
+    Raises:
+        TypeError: as :func:`flatten`, for ``tensors``, ``flat`` and ``scale``.
+        ValueError: ``flat`` has the wrong size, device or layout, or overlaps a
+            destination; two destinations share memory; a destination overlaps itself.
+        RuntimeError: a destination is an inference tensor outside inference mode.
+
+    Nothing is written when a call is refused.
+
+    Example::
+
+        >>> flat = fastpar.flatten(grads, dtype=torch.bfloat16)
+        >>> # ... all-reduce flat ...
+        >>> fastpar.unflatten_into(flat, grads, scale=1 / world_size)  # cast back, one launch
 
     Writes bypass autograd, as under ``torch.no_grad()``, but bump the tensors' version
     counters so autograd still detects the modification of a saved tensor.

@@ -41,8 +41,15 @@ def check_conversion(src: torch.dtype, dst: torch.dtype, scale, what: str) -> No
 def check_scale(scale, name: str = "scale"):
     if scale is None:
         return None
+    if isinstance(scale, torch.Tensor):  # (a GradScaler keeps its scale as one)
+        if scale.dim() != 0 or scale.is_complex() or scale.dtype == torch.bool or scale.is_meta:
+            raise TypeError(
+                f"{name} must be a real number, a 0-dim real tensor or None, got a tensor of shape "
+                f"{tuple(scale.shape)} and dtype {scale.dtype}{' on meta' if scale.is_meta else ''}"
+            )
+        return float(scale.item())
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"{name} must be a real number or None, got {type(scale).__name__} {scale!r}")
+        raise TypeError(f"{name} must be a real number, a 0-dim real tensor or None, got {type(scale).__name__} {scale!r}")
     return float(scale)
 
 

@@ -565,8 +565,8 @@ def _reduce_with_sparse(inputs, destination, buffer_size) -> list:
         for k, t in enumerate(col):
             if t.shape != col[0].shape or t.dtype != col[0].dtype:
                 raise ValueError(
-                    f"position {i}: inputs[{k}][{i}] on {t.device} has shape {tuple(t.shape)} ({t.dtype}) but "
-                    f"inputs[0][{i}] on {col[0].device} has shape {tuple(col[0].shape)} ({col[0].dtype})"
+                    f"position {i}: inputs[{k}][{i}] on {t.device} has shape {tuple(t.shape)} and dtype {t.dtype}, "
+                    f"but inputs[0][{i}] on {col[0].device} has shape {tuple(col[0].shape)} and dtype {col[0].dtype}"
                 )
         if all(t.layout == torch.sparse_coo for t in col):
             result[i] = functools.reduce(torch.add, [t.to(dst) for t in col])
@@ -680,8 +680,8 @@ def _check_out(out, p0, plans, dst):
     if p0 not in matched and (out_plan.dtypes != p0.dtypes or out_plan.shapes != p0.shapes):
         i = next(i for i, (a, b) in enumerate(zip(out_plan.tensors, p0.tensors)) if a.shape != b.shape or a.dtype != b.dtype)
         raise ValueError(
-            f"out[{i}] has shape {tuple(out_plan.tensors[i].shape)} ({out_plan.dtypes[i]}) but the inputs at "
-            f"position {i} have shape {tuple(p0.tensors[i].shape)} ({p0.dtypes[i]})"
+            f"out[{i}] has shape {tuple(out_plan.tensors[i].shape)} and dtype {out_plan.dtypes[i]}, but the inputs at "
+            f"position {i} have shape {tuple(p0.tensors[i].shape)} and dtype {p0.dtypes[i]}"
         )
     matched.add(p0)
     if len(out_plan.noncontig):

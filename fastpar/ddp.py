@@ -457,8 +457,9 @@ def compress_hook(dtype: torch.dtype = torch.bfloat16):
 
     Args:
         dtype (torch.dtype): the dtype gradients travel and are summed in: ``torch.bfloat16``
-            (default), ``torch.float16``, or ``torch.float32`` (to compress a float64
-            model). Default: ``torch.bfloat16``.
+            (default), ``torch.float16``, ``torch.float32`` (to compress a float64
+            model), or ``torch.float64`` (accepted for symmetry: it widens rather than
+            compresses). Default: ``torch.bfloat16``.
 
     Returns:
         Callable: ``hook(process_group, bucket) -> Future[Tensor]``, ``process_group`` a process group or

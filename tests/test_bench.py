@@ -17,9 +17,9 @@ from fastpar import _tuning, autotune, bench
 def _tuned_file(root) -> None:
     """A tuned file whose flatten winner (bucket 0, fp32) differs from the defaults."""
     space = {"flatten": {"numba": {"params": {"chunk": {"values": [4096], "min": 1},
-                                              "parallel_min_bytes": {"values": [0], "min": 0}}}}}
+                                              "parallel_min_bytes": {"values": [16777216], "min": 4194304}}}}}
     stats = {"median_s": 1e-3, "q25_s": 1e-3, "q75_s": 1e-3, "min_s": 1e-3, "reps": 7}
-    win = {"chunk": 4096, "parallel_min_bytes": 0}
+    win = {"chunk": 4096, "parallel_min_bytes": 16777216}
     entry = {"op": "flatten", "backend": "numba", "src_dtype": "float32", "dst_dtype": "float32", "bucket": 0,
              "default": {"chunk": 65536, "parallel_min_bytes": 4194304},
              "candidates": [{"params": win, **stats}], "winner": {"params": win, "median_s": 1e-3}}
@@ -62,7 +62,7 @@ def test_bench_cli_tiny_end_to_end(tmp_path):
         tuned = row["op"] in ("flatten", "flatten out=")
         assert (row["tuned_gain"] is not None) == tuned, row
         if tuned:
-            assert row["tuned_params"] == {"chunk": 4096, "parallel_min_bytes": 0}
+            assert row["tuned_params"] == {"chunk": 4096, "parallel_min_bytes": 16777216}
     import matplotlib.image
 
     img = matplotlib.image.imread(pngs[0])

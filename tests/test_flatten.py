@@ -375,6 +375,8 @@ def test_version_counters_bumped():
         ([torch.randn(2), torch.eye(2).to_sparse()], {}, TypeError, r"tensors\[1\] has layout torch.sparse_coo"),
         ([torch.randn(2)], {"dtype": "float32"}, TypeError, "dtype must be a torch.dtype"),
         ([torch.randn(2)], {"scale": "2"}, TypeError, "scale must be a real number"),
+        ([torch.randn(2)], {"scale": torch.ones(1)}, TypeError, r"scale must be .* a 0-dim real tensor .* got a tensor of shape \(1,\)"),
+        ([torch.randn(2)], {"scale": torch.tensor(True)}, TypeError, r"got a tensor of shape \(\) and dtype torch.bool"),
         ([torch.randint(0, 3, (2,))], {"scale": 2.0}, TypeError, "scale needs floating-point"),
         ([torch.randn(2)], {"dtype": torch.complex64}, TypeError, "cannot convert"),
     ],
@@ -657,6 +659,17 @@ def test_inference_tensors_are_written_only_in_inference_mode():
         fastpar.unflatten_into(torch.arange(7.0), [x, y.t()])
         fastpar.flatten([torch.ones(3)], out=x)
     assert torch.equal(x, torch.ones(3)) and torch.equal(y.t().reshape(-1), torch.arange(3.0, 7.0))
+
+
+def test_scale_may_be_a_0_dim_tensor(backend):
+    """As a GradScaler keeps its scale: read with .item(), the same bits as the float."""
+    ts = [torch.randn(5), torch.randn(2, 3)]
+    s = torch.tensor(1 / 3, dtype=torch.float64)
+    got = fastpar.flatten(ts, dtype=torch.bfloat16, scale=s)
+    assert torch.equal(got, fastpar.flatten(ts, dtype=torch.bfloat16, scale=1 / 3))
+    back = [torch.empty(5), torch.empty(2, 3)]
+    fastpar.unflatten_into(got, back, scale=torch.tensor(3))
+    assert torch.equal(torch.cat([b.reshape(-1) for b in back]), got.float() * 3)
 
 
 def test_results_carry_no_history_on_every_backend(backend):
