@@ -587,7 +587,8 @@ def test_register_takes_complex_parameters_as_ddp_buckets_them(one_rank):
     torch.manual_seed(0)
     with pytest.warns(UserWarning, match="Complex modules"):
         model = DDP(nn.Linear(3, 3).to(torch.complex64))
-    plain = nn.Linear(3, 3).to(torch.complex64)
+    with pytest.warns(UserWarning, match="Complex modules"):
+        plain = nn.Linear(3, 3).to(torch.complex64)
     plain.load_state_dict(model.module.state_dict())
     fddp.register(model, fddp.bf16_compress_hook)
     x = torch.randn(4, 3, dtype=torch.complex64)
