@@ -230,6 +230,12 @@ BAD_FILES = {
         _set(d, ["space", "flatten", "numba", "params", "chunk", "min"], 0),
         _set(d, ["entries", _key(0), "winner", "params", "chunk"], 0)), redigest=True),
         "expected an integer >= 1"),
+    # A thread-pool threshold below the launchers' default: 10-20x slower than the default
+    # under a neighbour's load on a 2-core VM, for a 1.1-1.2x gain when idle.
+    "parallel threshold below the default": (lambda p: _rewrite(p, lambda d: (
+        _set(d, ["space", "flatten", "numba", "params", "parallel_min_bytes", "min"], 0),
+        _set(d, ["entries", _key(0), "winner", "params", "parallel_min_bytes"], 0)), redigest=True),
+        "parallel_min_bytes: expected an integer >= 4194304, got 0"),
 }
 
 
@@ -465,6 +471,16 @@ def test_space_below_the_packaged_floor_is_refused(tmp_path):
     p.write_text(json.dumps(space))
     with pytest.raises(TuningFileError, match=r"numba\.params\.chunk\.values\[0\]: expected an integer >= 1, got 0"):
         _tuning.load_space(p)
+
+
+def test_packaged_space_searches_no_parallel_threshold_below_the_default():
+    from fastpar.kernels.ops_numba import flatten as nf, reduce_add as nr
+
+    space = _tuning.load_space(_tuning.SPACE_PATH)
+    for op, launcher in (("flatten", nf), ("unflatten_into", nf), ("reduce_add", nr)):
+        spec = space["ops"][op]["backends"]["numba"]["params"]["parallel_min_bytes"]
+        assert spec["min"] == launcher.DEFAULT_PARALLEL_MIN_BYTES, op
+        assert min(spec["values"]) >= launcher.DEFAULT_PARALLEL_MIN_BYTES, op
 
 
 def test_a_zero_chunk_raises_instead_of_writing_nothing():

@@ -292,7 +292,7 @@ def test_ten_thousand_tensors(op):
             with fastpar.count_launches() as n:
                 fastpar.unflatten_into(flat, ts)
             assert torch.equal(torch.cat(ts), flat)
-    assert n.total == 1
+    assert n.total == 1 and repr(n) == f"LaunchCount(total=1, numba/{op}: 1)"
 
 
 def test_ten_thousand_tensors_triton_interpreter():
