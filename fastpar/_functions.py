@@ -18,7 +18,7 @@ def _sparse_aliased(outputs, inputs) -> list:
     sparse = {id(t) for t in inputs if t is not None and t.layout == torch.sparse_coo}
     if not sparse:
         return list(outputs)
-    return [comm.sparse_alias(t) if id(t) in sparse else t for t in outputs]
+    return [comm.sparse_copy(t, None) if id(t) in sparse else t for t in outputs]
 
 
 class Broadcast(Function):

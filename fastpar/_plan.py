@@ -280,7 +280,7 @@ class Plan(_Numel):
         return hit
 
     @property
-    def requires_grad(self) -> int:
+    def first_requiring_grad(self) -> int:
         """Position of the first tensor requiring grad, or -1: found when first asked
         (a Python loop over the tensors) and then kept, since a training loop's reused
         ``out`` buffers keep their flag. A ``requires_grad_()`` on a tensor after that
@@ -362,13 +362,12 @@ def _strided_self_overlap(tensors, idx: np.ndarray, spans: np.ndarray):
     order = idx[np.argsort(spans[idx, 0], kind="stable")]
     if not (spans[order[1:], 0] < np.maximum.accumulate(spans[order, 1])[:-1]).any():
         return None  # no two spans meet
-    cand = order
-    if sum(tensors[i].numel() for i in cand) > _EXACT_MAX:
-        a, b = sorted(int(i) for i in cand[:2])
+    if sum(tensors[i].numel() for i in order) > _EXACT_MAX:
+        a, b = sorted(int(i) for i in order[:2])
         return (a, b)
-    starts = np.concatenate([_element_starts(tensors[i]) for i in cand])
-    ends = starts + np.concatenate([np.full(tensors[i].numel(), tensors[i].element_size(), np.int64) for i in cand])
-    owner = np.concatenate([np.full(tensors[i].numel(), i, np.int64) for i in cand])
+    starts = np.concatenate([_element_starts(tensors[i]) for i in order])
+    ends = starts + np.concatenate([np.full(tensors[i].numel(), tensors[i].element_size(), np.int64) for i in order])
+    owner = np.concatenate([np.full(tensors[i].numel(), i, np.int64) for i in order])
     o = np.argsort(starts, kind="stable")
     starts, ends, owner = starts[o], ends[o], owner[o]
     # Each element against the one reaching furthest before it (an element of its own

@@ -58,6 +58,9 @@ _DEFAULT_BUFFER = 10485760
 
 
 # ----------------------------------------------------------------------------- devices
+_CPU = torch.device("cpu")
+
+
 def _device(d, name: str, *, available: bool = True) -> torch.device:
     """``d`` as a torch.device; ``cpu:N`` is the one host memory (``cpu``). With
     ``available``, a CUDA device on a machine without CUDA is refused here, by name,
@@ -89,9 +92,6 @@ def _device(d, name: str, *, available: bool = True) -> torch.device:
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev
-
-
-_CPU = torch.device("cpu")
 
 
 def _devices(devices, name: str, *, unique: bool = True) -> list[torch.device]:
@@ -327,7 +327,8 @@ def _broadcast_with_sparse(tensors, devs, buffer_size) -> list:
     for i in sparse:
         if tensors[i].device != devs[0]:
             raise ValueError(f"tensors must be on devices[0] ({devs[0]}), got tensors[{i}] on {tensors[i].device}")
-    dense = [i for i in range(len(tensors)) if i not in set(sparse)]
+    sparse_set = set(sparse)
+    dense = [i for i in range(len(tensors)) if i not in sparse_set]
     dense_copies = broadcast_coalesced([tensors[i] for i in dense], devs, buffer_size) if dense else None
     result = [list(tensors)]
     for j, d in enumerate(devs[1:], 1):
@@ -340,22 +341,17 @@ def _broadcast_with_sparse(tensors, devs, buffer_size) -> list:
     return result
 
 
-def sparse_copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A copy of sparse COO ``t`` on ``device``, as torch's ``broadcast_coalesced`` makes
-    one: its indices and values copied, its coalesced flag kept, no autograd history."""
+def sparse_copy(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """A new sparse COO tensor like ``t``, with no autograd history and its coalesced
+    flag kept: on ``device``, its indices and values copied, as torch's
+    ``broadcast_coalesced`` makes one; with ``device`` None, sharing ``t``'s indices and
+    values (an alias)."""
     t = t.detach()
+    indices, values = t._indices(), t._values()
+    if device is not None:
+        indices, values = indices.to(device, copy=True), values.to(device, copy=True)
     # (Unchecked, as torch's unflatten_sparse_tensors: the parts are a valid tensor's.)
-    return torch.sparse_coo_tensor(
-        t._indices().to(device, copy=True), t._values().to(device, copy=True), t.shape,
-        is_coalesced=t.is_coalesced(), check_invariants=False,
-    )
-
-
-def sparse_alias(t: torch.Tensor) -> torch.Tensor:
-    """A new sparse COO tensor sharing ``t``'s indices and values (no autograd history)."""
-    t = t.detach()
-    return torch.sparse_coo_tensor(t._indices(), t._values(), t.shape, is_coalesced=t.is_coalesced(),
-                                   check_invariants=False)
+    return torch.sparse_coo_tensor(indices, values, t.shape, is_coalesced=t.is_coalesced(), check_invariants=False)
 
 
 def _check_buffer_size(buffer_size) -> None:
@@ -694,8 +690,8 @@ def _check_out(out, p0, plans, dst):
             )
         raise ValueError(f"out[{i}] must be contiguous (the kernel writes it in place), got strides {o.stride()}")
     check_writable(out_plan, "out")
-    if torch.is_grad_enabled() and out_plan.requires_grad >= 0:
-        i = out_plan.requires_grad
+    if torch.is_grad_enabled() and out_plan.first_requiring_grad >= 0:
+        i = out_plan.first_requiring_grad
         check_not_recorded(out_plan.tensors[i], f"out[{i}]")
     hit = out_plan.self_overlap()
     if hit is not None:

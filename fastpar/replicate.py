@@ -77,7 +77,8 @@ class _Placement:
         rnn_positions = {i for _, pos in self.rnn_groups for i in pos}
         # Sparse COO tensors are copied on their own, as torch's broadcast_coalesced does.
         sparse = [i for i, t in enumerate(tensors) if t.layout == torch.sparse_coo and i not in rnn_positions]
-        rest = [i for i in range(len(tensors)) if i not in rnn_positions and i not in set(sparse)]
+        special = rnn_positions.union(sparse)
+        rest = [i for i in range(len(tensors)) if i not in special]
         rest_copies = self._broadcast([tensors[i] for i in rest])
         rnn_copies = [self._pack_rnn(m, [tensors[i] for i in pos]) for m, pos in self.rnn_groups]
         for j, d in enumerate(self.devices[1:], 1):
