@@ -106,12 +106,14 @@ class DataParallel(torch.nn.DataParallel[T]):
         torch._C._log_api_usage_once("fastpar.DataParallel")
         if device_ids is None:
             device_ids = _default_device_ids()
-        elif _cuda_ids_without_cuda(_checked_ids(device_ids)):
-            warnings.warn(
-                f"fastpar.DataParallel: CUDA is not available, so device_ids={list(device_ids)!r} are "
-                "ignored and the module runs as is (as torch.nn.DataParallel does); pass "
-                "device_ids=['cpu', 'cpu'] for replicas in host memory", UserWarning, stacklevel=2)
-            device_ids = None
+        else:
+            device_ids = _checked_ids(device_ids)  # once: it may be a one-shot iterator
+            if _cuda_ids_without_cuda(device_ids):
+                warnings.warn(
+                    f"fastpar.DataParallel: CUDA is not available, so device_ids={device_ids!r} are "
+                    "ignored and the module runs as is (as torch.nn.DataParallel does); pass "
+                    "device_ids=['cpu', 'cpu'] for replicas in host memory", UserWarning, stacklevel=2)
+                device_ids = None
         if device_ids is None:
             # As torch: no accelerator, no parallelism; the wrapper calls the module.
             self.module = module
@@ -119,7 +121,7 @@ class DataParallel(torch.nn.DataParallel[T]):
             return
         if not device_ids:
             raise RuntimeError("no available devices were found")
-        devs = comm._devices(list(device_ids), "device_ids")
+        devs = comm._devices(device_ids, "device_ids")
         if output_device is None:
             output_device = devs[0]
         self.dim = dim
@@ -216,15 +218,17 @@ def data_parallel(module, inputs, device_ids=None, output_device=None, dim=0, mo
         inputs = (inputs,) if inputs is not None else ()
     if device_ids is None:
         device_ids = _default_device_ids()
-    elif _cuda_ids_without_cuda(device_ids):
-        # torch's data_parallel raises here too (it finds no device type).
-        raise RuntimeError(
-            f"device_ids={list(device_ids)!r} name no CPU replica and CUDA is not available; "
-            "pass device_ids=['cpu', 'cpu'] for replicas in host memory"
-        )
+    else:
+        device_ids = _checked_ids(device_ids)  # once: it may be a one-shot iterator
+        if _cuda_ids_without_cuda(device_ids):
+            # torch's data_parallel raises here too (it finds no device type).
+            raise RuntimeError(
+                f"device_ids={device_ids!r} name no CPU replica and CUDA is not available; "
+                "pass device_ids=['cpu', 'cpu'] for replicas in host memory"
+            )
     if device_ids is None:
         return module(*inputs, **(module_kwargs or {}))
-    devs = comm._devices(list(device_ids), "device_ids")
+    devs = comm._devices(device_ids, "device_ids")
     if output_device is None:
         output_device = devs[0]
     src = devs[0]

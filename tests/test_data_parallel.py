@@ -452,6 +452,37 @@ def test_functional_data_parallel():
     torch.testing.assert_close(data_parallel(model, x, device_ids=["cpu", "cpu"]), model(x))
 
 
+class _BatchSizes(nn.Module):
+    """Records the batch size of every call (each replica shares the list)."""
+
+    def __init__(self, seen):
+        super().__init__()
+        self.lin = nn.Linear(3, 2).double()
+        self.seen = seen
+
+    def forward(self, x):
+        self.seen.append(x.shape[0])
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("api", ["class", "functional"])
+def test_device_ids_may_be_a_one_shot_iterator(api):
+    """A generator of device ids is read once, as torch reads it: every id is a replica
+    (the checks used to consume it, leaving no devices, or only some of them)."""
+    seen = []
+    m = _BatchSizes(seen)
+    x = torch.randn(6, 3, dtype=torch.float64)
+    ids = (d for d in ["cpu", "cpu", "cpu"])
+    if api == "class":
+        dp = DataParallel(m, device_ids=ids, output_device="cpu")
+        assert dp.device_ids == [torch.device("cpu")] * 3
+        out = dp(x)
+    else:
+        out = data_parallel(m, x, device_ids=ids)
+    torch.testing.assert_close(out, m.lin(x))
+    assert sorted(seen) == [2, 2, 2]
+
+
 def test_module_on_wrong_device_is_rejected():
     dp = DataParallel(nn.Linear(2, 2).to("meta"), device_ids=["cpu", "cpu"])
     with pytest.raises(RuntimeError, match=r"module must have its parameters and buffers on device cpu"):
