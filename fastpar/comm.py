@@ -857,6 +857,9 @@ def gather(tensors, dim=0, destination=None, *, out=None):
     .. note:: 0-dim tensors gathered along dim 0 are unsqueezed into a vector, with a
         warning, as ``torch.nn.DataParallel`` does.
 
+    .. note:: As torch's, the result has ``tensors[0]``'s dtype (or ``out``'s) and other
+        dtypes are converted by ``Tensor.copy_``.
+
     Returns:
         ``out`` if given, else a new tensor on ``destination``.
     """
@@ -871,12 +874,10 @@ def gather(tensors, dim=0, destination=None, *, out=None):
     dim = _dim(dim, max(ndim, 1))
     t0 = ts[0]
     for i, t in enumerate(ts):
-        if t.dim() != ndim or t.dtype != t0.dtype or any(
-            a != b for j, (a, b) in enumerate(zip(t.shape, t0.shape)) if j != dim
-        ):
+        if t.dim() != ndim or any(a != b for j, (a, b) in enumerate(zip(t.shape, t0.shape)) if j != dim):
             raise ValueError(
-                f"tensors[{i}] (on {t.device}) has shape {tuple(t.shape)} ({t.dtype}), incompatible with "
-                f"tensors[0] (on {t0.device}) shape {tuple(t0.shape)} ({t0.dtype}) outside dim {dim}"
+                f"tensors[{i}] (on {t.device}) has shape {tuple(t.shape)}, incompatible with "
+                f"tensors[0] (on {t0.device}) shape {tuple(t0.shape)} outside dim {dim}"
             )
     shape = list(t0.shape)
     shape[dim] = sum(t.size(dim) for t in ts)
@@ -884,8 +885,8 @@ def gather(tensors, dim=0, destination=None, *, out=None):
         if destination is not None:
             raise RuntimeError("'destination' must not be specified when 'out' is specified")
         _check_tensor(out, "out")
-        if list(out.shape) != shape or out.dtype != t0.dtype:
-            raise ValueError(f"out must have shape {tuple(shape)} and dtype {t0.dtype}, got {tuple(out.shape)}, {out.dtype}")
+        if list(out.shape) != shape:
+            raise ValueError(f"out must have shape {tuple(shape)}, got {tuple(out.shape)}")
         _check_copy_target(out, "out", src_requires_grad=any(t.requires_grad for t in ts))
         off = 0
         for i, t in enumerate(ts):  # as torch's, each input is copied into its slice
@@ -920,8 +921,8 @@ def gather(tensors, dim=0, destination=None, *, out=None):
     # (Not when autograd would record the copies, as it records torch's: the one-launch
     # copy is invisible to it.)
     tracked = torch.is_grad_enabled() and (out.requires_grad or any(t.requires_grad for t in ts))
-    if dim == 0 and out.is_contiguous() and all(t.device == dst for t in ts) and out.numel() \
-            and out.element_size() in (1, 2, 4, 8) and not tracked and not in_place:
+    if dim == 0 and out.is_contiguous() and all(t.device == dst and t.dtype == out.dtype for t in ts) \
+            and out.numel() and out.element_size() in (1, 2, 4, 8) and not tracked and not in_place:
         # Rows of a contiguous result along dim 0 are the inputs laid end to end: one
         # flatten launch instead of one copy per input (flatten moves elements of up to
         # 8 bytes; complex128 takes the copies below).

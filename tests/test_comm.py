@@ -926,6 +926,30 @@ def test_scatter_gather_bad_input():
     assert out.isnan().all()
 
 
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_gather_mixed_dtypes_convert_as_torch_does(backend):
+    """torch's gather makes its result with tensors[0]'s dtype (gather_out: out's) and
+    copy_ converts the others; it checks shapes only. Gradients come back in each
+    input's own dtype."""
+    a = rand((2, 3), torch.float32).requires_grad_()
+    b = rand((3, 3), torch.float64).requires_grad_()
+    c = torch.randint(-5, 5, (1, 3), dtype=torch.int32)
+    with fastpar.use_backend(backend):
+        got = fastpar.gather([a, b, c], "cpu")
+        assert got.dtype == torch.float32
+        assert torch.equal(got.detach(), torch.cat([a.detach(), b.detach().float(), c.float()]))
+        got.sum().backward()
+        assert a.grad.dtype == torch.float32 and b.grad.dtype == torch.float64
+        assert torch.equal(a.grad, torch.ones_like(a)) and torch.equal(b.grad, torch.ones_like(b))
+        out = poison_(torch.empty(6, 3, dtype=torch.float64))
+        assert comm.gather([a.detach(), b.detach(), c], out=out) is out
+        assert torch.equal(out, torch.cat([a.detach().double(), b.detach(), c.double()]))
+        # The one-launch path (every input already out's dtype) and the copies agree.
+        out32 = poison_(torch.empty(6, 3))
+        comm.gather([a.detach(), b.detach().float(), c.float()], out=out32)
+        assert torch.equal(out32, got.detach())
+
+
 # ------------------------------------------------------------------ CUDA (multi-GPU)
 needs_2_gpus = pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs 2+ CUDA devices")
 
