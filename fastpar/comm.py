@@ -61,6 +61,17 @@ _DEFAULT_BUFFER = 10485760
 _CPU = torch.device("cpu")
 
 
+def _warn_minus_one(d, stacklevel: int) -> None:
+    """torch's FutureWarning (its words and category) for ``-1`` naming the CPU, as an
+    output device (``gather``'s destination, DataParallel's ``output_device``)."""
+    if isinstance(d, int) and not isinstance(d, bool) and d == -1:
+        warnings.warn(
+            "Using -1 to represent CPU tensor is deprecated. Please use a "
+            'device object or string instead, e.g., "cpu".',
+            FutureWarning, stacklevel=stacklevel + 1,
+        )
+
+
 def _device(d, name: str, *, available: bool = True) -> torch.device:
     """``d`` as a torch.device; ``cpu:N`` is the one host memory (``cpu``). With
     ``available``, a CUDA device on a machine without CUDA is refused here, by name,
@@ -905,12 +916,7 @@ def gather(tensors, dim=0, destination=None, *, out=None):
         if destination is None:
             dst = torch.device("cpu") if devs[0].type == "cpu" else torch.device("cuda", torch.cuda.current_device())
         else:
-            if isinstance(destination, int) and not isinstance(destination, bool) and destination == -1:
-                warnings.warn(  # torch's words and category
-                    "Using -1 to represent CPU tensor is deprecated. Please use a "
-                    'device object or string instead, e.g., "cpu".',
-                    FutureWarning, stacklevel=2,
-                )
+            _warn_minus_one(destination, stacklevel=2)
             dst = _device(destination, "destination")
         in_place = False
         fmt = _shared_memory_format(ts)

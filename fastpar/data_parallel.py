@@ -124,6 +124,7 @@ class DataParallel(torch.nn.DataParallel[T]):
         devs = comm._devices(device_ids, "device_ids")
         if output_device is None:
             output_device = devs[0]
+        comm._warn_minus_one(output_device, stacklevel=2)  # torch's warns in every forward's gather
         self.dim = dim
         self.module = module
         # As torch: CUDA devices as indices (CPU replicas as torch.device("cpu")).
@@ -231,6 +232,8 @@ def data_parallel(module, inputs, device_ids=None, output_device=None, dim=0, mo
     devs = comm._devices(device_ids, "device_ids")
     if output_device is None:
         output_device = devs[0]
+    comm._warn_minus_one(output_device, stacklevel=2)
+    output_device = comm._device(output_device, "output_device")
     src = devs[0]
     for t in chain(module.parameters(), module.buffers()):
         if t.device != src:

@@ -81,6 +81,7 @@ def scatter_kwargs(inputs, kwargs, target_gpus, dim=0):
 def gather(outputs, target_device, dim=0):
     r"""Gather per-device outputs onto ``target_device``, walking the same structures;
     0-dim tensors are gathered into a vector (with torch's warning)."""
+    comm._warn_minus_one(target_device, stacklevel=2)
     dst = comm._device(target_device, "target_device")
 
     def gather_map(outs):

@@ -483,6 +483,22 @@ def test_device_ids_may_be_a_one_shot_iterator(api):
     assert sorted(seen) == [2, 2, 2]
 
 
+@pytest.mark.parametrize("api", ["class", "functional", "gather"])
+def test_minus_one_output_device_warns_as_torch(api):
+    """torch's DataParallel and gather accept -1 for the CPU with a FutureWarning (its
+    gather warns); fastpar's gave no warning at all."""
+    m = nn.Linear(3, 2).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with pytest.warns(FutureWarning, match="Using -1 to represent CPU tensor is deprecated"):
+        if api == "class":
+            out = DataParallel(m, device_ids=["cpu", "cpu"], output_device=-1)(x)
+        elif api == "functional":
+            out = data_parallel(m, x, device_ids=["cpu", "cpu"], output_device=-1)
+        else:
+            out = fastpar.gather([m(x[:2]), m(x[2:])], -1)
+    torch.testing.assert_close(out, m(x))
+
+
 def test_module_on_wrong_device_is_rejected():
     dp = DataParallel(nn.Linear(2, 2).to("meta"), device_ids=["cpu", "cpu"])
     with pytest.raises(RuntimeError, match=r"module must have its parameters and buffers on device cpu"):
