@@ -421,6 +421,10 @@ def _zero_source(device: torch.device, dtype: torch.dtype, n: int) -> torch.Tens
         z = _ZEROS.get((device, dtype))
         if z is None or z.numel() < n:
             z = torch.zeros(max(n, 1024), dtype=dtype, device=device)
+            if z.is_cuda:
+                # The fill is queued on the current stream; packs read this buffer from
+                # whatever stream is current then. Once per buffer: wait for the fill.
+                torch.cuda.current_stream(z.device).synchronize()
             _ZEROS[(device, dtype)] = z
         return z
 

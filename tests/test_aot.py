@@ -50,6 +50,19 @@ def test_copy_conversions_compile_vectorised(cc, src, dst, scaled, to_flat):
 
 
 @pytest.mark.parametrize("cc", CCS)
+@pytest.mark.parametrize("src", [torch.float32, torch.float16, torch.float64], ids=str)
+@pytest.mark.parametrize("dst", [torch.int8, torch.int16, torch.uint8], ids=str)
+def test_float_to_narrow_int_converts_as_torch_cuda(cc, src, dst):
+    """torch's CUDA cast (``static_cast``, which nvcc compiles to ``cvt.rzi.s32.f32``)
+    wraps out-of-range floats through int32 (uint8: through int64, c10's TypeCast.h).
+    Triton's direct conversion to int8/int16 is ``cvt.rzi.s16``, which clamps first."""
+    ptx = aot.compile_copy(cc, src=src, dst=dst, scaled=False, to_flat=True)
+    wide = "s64" if dst == torch.uint8 else "s32"
+    assert re.search(rf"cvt\.rzi\.{wide}\.f(16|32|64)", ptx), f"expected cvt.rzi.{wide} for {src} -> {dst}"
+    assert not re.search(r"cvt\.rzi\.[su](8|16)\.f", ptx), "a direct (clamping) float -> 8/16-bit conversion"
+
+
+@pytest.mark.parametrize("cc", CCS)
 @pytest.mark.parametrize("k", [2, 4, 8])
 def test_reduce_fp32_aligned_uses_128bit_vectors(cc, k):
     from fastpar.kernels.ops_triton import reduce_add as R

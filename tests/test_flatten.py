@@ -1191,6 +1191,34 @@ def test_cuda_flatten_cast_scale(src, dst, scale):
 
 
 @cuda
+@pytest.mark.parametrize("src, dst, scale", [
+    (torch.float32, torch.float32, None), (torch.float32, torch.bfloat16, 0.37), (torch.bfloat16, torch.float32, None),
+    (torch.float16, torch.float16, 2.0), (torch.float64, torch.float64, None), (torch.int8, torch.int8, None),
+], ids=str)
+def test_cuda_vector_path_on_aligned_lists(src, dst, scale):
+    """The 128-bit vector path on hardware: every numel a multiple of 16 elements and
+    every tensor freshly allocated (the caching allocator aligns blocks to 512 bytes), so
+    the launch takes it; a wrong alignment hint would fault here, not in the PTX tests."""
+    from fastpar._plan import plan_for
+    from fastpar.kernels.ops_triton._common import align_elems
+
+    ts = [rand((16 * k,), src, device="cuda") for k in (1, 3, 64, 4097, 2, 65536 // 16 + 1)]
+    ts.append(rand((32, 48), src, device="cuda"))
+    g = plan_for(ts, "tensors", cache=False).groups[0]
+    assert g.aligned(align_elems(src, dst)), "the test's list must take the vector path"
+    out = poison_(torch.empty(sum(t.numel() for t in ts), dtype=dst, device="cuda"))
+    assert out.data_ptr() % 16 == 0
+    fastpar.flatten(ts, dtype=dst, scale=scale, out=out)
+    exp = torch._utils._flatten_dense_tensors(ts)
+    exp = (exp * scale if scale is not None else exp).to(dst)
+    assert torch.equal(out.view(torch.uint8), exp.view(torch.uint8)), "vector path differs from Tensor.to"
+    back = [poison_(torch.empty_like(t)) for t in ts]
+    fastpar.unflatten_into(out, back)
+    for i, (b, piece) in enumerate(zip(back, out.split([t.numel() for t in ts]))):
+        assert torch.equal(b.view(-1), piece.to(src)), f"unflatten_into: tensor {i} differs"
+
+
+@cuda
 def test_cuda_ten_thousand_tensors_one_launch_each_way():
     gen = torch.Generator().manual_seed(2)
     sizes = torch.randint(0, 70, (10_000,), generator=gen).tolist()

@@ -40,6 +40,15 @@ SCRIPT = textwrap.dedent(
             assert n.by_op == {("triton", "scale"): 1}, n.by_op
             exp = [x / factor if divide else x * factor for x in xs]
             assert all(torch.equal(a, b) for a, b in zip(got, exp)), ("scale", dtype, divide)
+    # CUDA tensors under the interpreter: a clear error, not a host dereference of
+    # device addresses (the interpreter copies the pointer table to the host).
+    for k in (F.copy_kernel, R.reduce_add_kernel, S.scale_kernel):
+        try:
+            k.on(torch.device("cuda", 0))
+        except RuntimeError as e:
+            assert "TRITON_INTERPRET=1 is set" in str(e) and "cuda:0" in str(e), str(e)
+        else:
+            raise AssertionError("an interpreted kernel accepted a CUDA device")
     print("ok")
     """
 )

@@ -68,6 +68,14 @@ class Kernel:
 
     def on(self, device: torch.device):
         if isinstance(self.jit, InterpretedFunction):
+            if device.type == "cuda":
+                # The interpreter copies the pointer table to the host, where its
+                # entries (device addresses) would be dereferenced: a crash, not a run.
+                raise RuntimeError(
+                    "TRITON_INTERPRET=1 is set, and the Triton interpreter runs fastpar's kernels on "
+                    f"CPU tensors only; got tensors on {device}. Unset TRITON_INTERPRET for CUDA "
+                    "tensors (or use FASTPAR_BACKEND=torch)"
+                )
             return self.jit
         if device.type == "cuda":
             return self.jit
@@ -92,7 +100,8 @@ def to_storage(x, DST: tl.constexpr):
 
     bfloat16 is produced by hand, round to nearest even with NaN -> 0x7FC0 as c10 does,
     and returned as int16 bits (store it through an int16 pointer): the hardware's
-    ``cvt.rn.bf16.f32`` agrees, but the interpreter truncates. float64 -> 16-bit goes
+    ``cvt.rn.bf16.f32`` agrees except for NaN (it writes 0x7FFF), and the interpreter
+    truncates. float64 -> 16-bit goes
     through float32, matching c10's ``Half(float)``/``BFloat16(float)`` double rounding.
     """
     if DST == tl.bfloat16:
@@ -106,9 +115,14 @@ def to_storage(x, DST: tl.constexpr):
     elif DST == tl.uint8 and x.dtype.is_floating():
         # torch converts float -> uint8 through int64 ("consistent results across
         # CPU/GPU", c10/util/TypeCast.h): the direct conversion (cvt.rzi.u16.f32) clamps
-        # -1.0 to 0 where torch gives 255. Other integer types convert directly, as
-        # torch's do.
+        # -1.0 to 0 where torch gives 255.
         return x.to(tl.int64).to(DST)
+    elif (DST == tl.int8 or DST == tl.int16) and x.dtype.is_floating():
+        # torch's static_cast<int8_t>(float) compiles (nvcc) to cvt.rzi.s32.f32 and keeps
+        # the low bits: out-of-range values wrap through int32, as on the CPU (300.0 ->
+        # 44). Triton's direct conversion is cvt.rzi.s16.f32, which clamps to the int16
+        # range first (1e5 -> -1 in int8 where torch gives -96).
+        return x.to(tl.int32).to(DST)
     else:
         return x.to(DST)
 
