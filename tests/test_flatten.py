@@ -809,6 +809,44 @@ def test_plan_cache_sees_in_place_metadata_changes(change):
         assert torch.equal(torch.cat([t.reshape(-1) for t in ts]), flat), change
 
 
+def test_plan_cache_sees_swapped_strides_with_same_sizes(backend):
+    """A square matrix transposed in place keeps its sizes, numel and data pointer; only
+    the strides tell the cached plan that it is no longer contiguous."""
+    a = torch.arange(9.0).view(3, 3).clone()
+    b = torch.arange(4.0)
+    ts = [a, b]
+    fastpar.flatten(ts)  # plan cached with a contiguous
+    a.t_()
+    expected = torch.cat([t.reshape(-1) for t in ts])
+    assert torch.equal(fastpar.flatten(ts), expected), "flatten read the transposed matrix as before"
+    flat = torch.randn(13)
+    fastpar.unflatten_into(flat, ts)
+    assert torch.equal(torch.cat([t.reshape(-1) for t in ts]), flat), "unflatten_into wrote the old layout"
+
+
+def test_unflatten_into_flat_partly_overlapping_a_destination_writes_nothing(backend):
+    """The overlap is found before the launch: with flat = base[0:4] and the destination
+    base[3:7], a copy would change base[3:7]."""
+    base = torch.arange(10.0)
+    before = base.clone()
+    with pytest.raises(ValueError, match="flat overlaps"):
+        fastpar.unflatten_into(base[:4], [base[3:7]])
+    assert torch.equal(base, before), "a rejected call wrote"
+
+
+def test_bf16_nan_with_low_payload_stays_nan(backend):
+    """Rounding float32 to bfloat16 by adding 0x7FFF would carry a NaN whose payload is
+    in the low 16 bits into the exponent: 0x7F800001 -> 0x7F80, infinity. Such NaNs must
+    come out as NaN (fastpar writes 0x7FC0), with or without scale."""
+    bits = torch.tensor([0x7F800001, 0xFF800001 - 2**32, 0x7F80FFFF, 0x7FC00000, 0x7F800000], dtype=torch.int32)
+    x = bits.view(torch.float32)
+    for scale in (None, 1.0):
+        out = poison_(torch.empty(5, dtype=torch.bfloat16))
+        fastpar.flatten([x], dtype=torch.bfloat16, scale=scale, out=out)
+        assert out[:4].isnan().all(), f"scale={scale}: {out[:4].view(torch.int16).tolist()} are not NaNs"
+        assert out[4].item() == float("inf")
+
+
 @pytest.mark.parametrize("bit", ["conj", "neg"])
 def test_plan_cache_sees_a_lazy_bit_set_in_place(bit):
     """``a.data = a.conj()`` keeps the object, TensorImpl, storage, sizes and strides and
