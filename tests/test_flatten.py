@@ -834,6 +834,19 @@ def test_unflatten_into_flat_partly_overlapping_a_destination_writes_nothing(bac
     assert torch.equal(base, before), "a rejected call wrote"
 
 
+def test_out_overlap_check_is_not_fooled_by_an_earlier_out_at_the_same_address(backend):
+    """The plan remembers its last overlap answer; an out starting at the same address
+    but longer (another dtype) must be checked afresh."""
+    base = torch.zeros(32, dtype=torch.uint8)
+    t = base[8:24].view(torch.float32)  # 4 floats, bytes 8..24
+    ts = [t]
+    fastpar.flatten(ts, dtype=torch.float16, out=base[0:8].view(torch.float16))  # bytes 0..8: disjoint
+    before = base.clone()
+    with pytest.raises(ValueError, match=r"out overlaps the memory of tensors\[0\]"):
+        fastpar.flatten(ts, out=base[0:16].view(torch.float32))  # bytes 0..16: overlaps t
+    assert torch.equal(base, before), "a rejected call wrote"
+
+
 def test_bf16_nan_with_low_payload_stays_nan(backend):
     """Rounding float32 to bfloat16 by adding 0x7FFF would carry a NaN whose payload is
     in the low 16 bits into the exponent: 0x7F800001 -> 0x7F80, infinity. Such NaNs must
