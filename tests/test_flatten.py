@@ -847,6 +847,24 @@ def test_out_overlap_check_is_not_fooled_by_an_earlier_out_at_the_same_address(b
     assert torch.equal(base, before), "a rejected call wrote"
 
 
+def test_written_storage_one_element_short_is_refused():
+    """The extent check on buffers fastpar writes is exact: an ``out`` or ``flat`` whose
+    storage is one element shorter than the tensor reaches is refused, and one that just
+    holds it is accepted. (Inputs are read as torch reads them, unchecked.)"""
+    short = torch.zeros(8)
+    short.untyped_storage().resize_(28)
+    out = poison_(torch.empty(8))
+    with pytest.raises(ValueError, match="out reaches byte 32 of its storage, which holds 28 bytes"):
+        fastpar.flatten([torch.randn(8)], out=short)
+    with pytest.raises(ValueError, match="flat reaches byte 32 of its storage, which holds 28 bytes"):
+        fastpar.unflatten_into(short, [out])
+    assert out.isnan().all(), "a rejected call wrote"
+    exact = torch.zeros(8)
+    exact.untyped_storage().resize_(32)
+    src = torch.randn(8)
+    assert torch.equal(fastpar.flatten([src], out=exact), src)
+
+
 def test_bf16_nan_with_low_payload_stays_nan(backend):
     """Rounding float32 to bfloat16 by adding 0x7FFF would carry a NaN whose payload is
     in the low 16 bits into the exponent: 0x7F800001 -> 0x7F80, infinity. Such NaNs must
