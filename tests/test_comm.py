@@ -926,6 +926,22 @@ def test_scatter_gather_bad_input():
     assert out.isnan().all()
 
 
+def test_reduce_add_coalesced_out_bumps_version_counters(backend):
+    """Writing into ``out`` is an in-place change autograd must see: a graph that saved
+    an out tensor before the reduction refuses to run backward through stale values."""
+    a = [rand((5,), torch.float32), rand((3, 2), torch.float32)]
+    b = [rand((5,), torch.float32), rand((3, 2), torch.float32)]
+    out = [torch.zeros(5), torch.zeros(3, 2)]
+    versions = [o._version for o in out]
+    comm.reduce_add_coalesced([a, b], "cpu", out=out)
+    assert all(o._version > v for o, v in zip(out, versions)), [o._version for o in out]
+    w = torch.ones(5, requires_grad=True)
+    y = (w * out[0]).sum()  # saves out[0] for backward
+    comm.reduce_add_coalesced([a, b], "cpu", out=out)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
 @pytest.mark.parametrize("backend", ["numba", "torch"])
 def test_gather_mixed_dtypes_convert_as_torch_does(backend):
     """torch's gather makes its result with tensors[0]'s dtype (gather_out: out's) and
