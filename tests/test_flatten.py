@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import ALL_DTYPES, FLOAT_DTYPES, TOL, assert_close, cuda, poison_, rand
+from conftest import ALL_DTYPES, FLOAT_DTYPES, TOL, assert_close, assert_unchanged, cuda, poison_, rand, snapshot
 
 import fastpar
 
@@ -828,10 +828,10 @@ def test_unflatten_into_flat_partly_overlapping_a_destination_writes_nothing(bac
     """The overlap is found before the launch: with flat = base[0:4] and the destination
     base[3:7], a copy would change base[3:7]."""
     base = torch.arange(10.0)
-    before = base.clone()
+    before = snapshot([base])
     with pytest.raises(ValueError, match="flat overlaps"):
         fastpar.unflatten_into(base[:4], [base[3:7]])
-    assert torch.equal(base, before), "a rejected call wrote"
+    assert_unchanged([base], before, what="a rejected unflatten_into")
 
 
 def test_out_overlap_check_is_not_fooled_by_an_earlier_out_at_the_same_address(backend):
@@ -841,10 +841,10 @@ def test_out_overlap_check_is_not_fooled_by_an_earlier_out_at_the_same_address(b
     t = base[8:24].view(torch.float32)  # 4 floats, bytes 8..24
     ts = [t]
     fastpar.flatten(ts, dtype=torch.float16, out=base[0:8].view(torch.float16))  # bytes 0..8: disjoint
-    before = base.clone()
+    before = snapshot([base])
     with pytest.raises(ValueError, match=r"out overlaps the memory of tensors\[0\]"):
         fastpar.flatten(ts, out=base[0:16].view(torch.float32))  # bytes 0..16: overlaps t
-    assert torch.equal(base, before), "a rejected call wrote"
+    assert_unchanged([base], before, what="a rejected flatten")
 
 
 def test_written_storage_one_element_short_is_refused():
