@@ -411,6 +411,13 @@ def _check_out(t, layout: RNNLayout, name: str, *, written: bool = False) -> Non
 #: Per (device, dtype): a zero buffer the gap entries copy from. Only ever replaced by a
 #: larger one; cached packing groups keep slices of older ones alive.
 _ZEROS: dict = {}
+#: CUDA zero buffers that a larger one replaced, kept for the life of the process. A pack
+#: may read one from any stream, but the caching allocator would hand its memory out again
+#: as soon as the last cached group holding it is dropped, to work on the stream it was
+#: allocated on, while a pack on another stream may still be reading it (and would copy
+#: that work's data into the gaps). They are small (the largest gap of a layout, at least
+#: 1024 elements) and only replaced when a layout has a larger gap than any before.
+_RETIRED_ZEROS: list = []
 _ZEROS_LOCK = threading.Lock()
 #: Plan group -> {layout: packing group}; entries go with the plan (weak keys).
 _PACKING: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -420,6 +427,8 @@ def _zero_source(device: torch.device, dtype: torch.dtype, n: int) -> torch.Tens
     with _ZEROS_LOCK:
         z = _ZEROS.get((device, dtype))
         if z is None or z.numel() < n:
+            if z is not None and z.is_cuda:
+                _RETIRED_ZEROS.append(z)
             z = torch.zeros(max(n, 1024), dtype=dtype, device=device)
             if z.is_cuda:
                 # The fill is queued on the current stream; packs read this buffer from

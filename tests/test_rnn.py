@@ -598,3 +598,25 @@ def test_cuda_pack_one_launch_matches_reference():
     assert n.total == 1
     assert_same_bits(gpu, expected_pack(ws, layout), "CUDA pack")
 
+
+
+@cuda
+def test_cuda_replaced_zero_source_is_kept_alive():
+    # A layout with a larger gap than any before replaces the zero buffer the gaps copy
+    # from. A pack on another stream may still be reading the old one, which the caching
+    # allocator would otherwise hand out again once the cached groups holding it go.
+    m = make("GRU", 1, False, False, device="cuda", input_size=7, hidden_size=9)
+    ws = [w.detach() for w in m._flat_weights]
+    small = gapped(RNNLayout.for_module(m), pad=8)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        first = rnn.pack(ws, small)
+    old = rnn._ZEROS[(small.device, torch.float32)]
+    large = gapped(RNNLayout.for_module(m), pad=old.numel() + 100)  # a gap the old one can't serve
+    second = rnn.pack(ws, large)
+    new = rnn._ZEROS[(large.device, torch.float32)]
+    assert new is not old and new.numel() > old.numel(), (old.numel(), new.numel())
+    assert any(z is old for z in rnn._RETIRED_ZEROS), "the replaced zero buffer was let go"
+    side.synchronize()
+    assert_same_bits(first, expected_pack(ws, small), "pack on a side stream")
+    assert_same_bits(second, expected_pack(ws, large), "pack after the replacement")
