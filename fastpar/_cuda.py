@@ -77,3 +77,21 @@ def release_to(dst: torch.device, sources) -> None:
     ev.record(torch.cuda.current_stream(dst))
     for s in {s for s in sources if s != dst}:
         torch.cuda.current_stream(s).wait_event(ev)
+
+
+def refuse_capture(op: str, device: torch.device) -> None:
+    """Raise if ``device``'s current stream is capturing a CUDA graph.
+
+    fastpar's Triton launches read pointer tables copied from the host, some per call
+    through pinned buffers that the host allocator hands out again once the call
+    returns: a replayed graph would read whatever those buffers hold then (addresses of
+    other tensors) and write through them. A cached plan's first table copy also blocks,
+    which capture forbids. So ops refuse to be captured, before they write anything."""
+    with torch.cuda.device(device):
+        capturing = torch.cuda.is_current_stream_capturing()
+    if capturing:
+        raise RuntimeError(
+            f"fastpar's {op} cannot run while a CUDA graph is being captured on {device}: its "
+            "launches read pointer tables copied from the host, which a replay would read stale. "
+            "Call it outside the capture"
+        )

@@ -9,7 +9,7 @@ import importlib
 
 import torch
 
-from . import _env
+from . import _cuda, _env
 
 #: Backend name -> package of its kernels (same file and function names in each).
 BACKENDS = {
@@ -65,8 +65,12 @@ def _kernel(backend: str, op: str):
 
 
 def kernel(op: str, device: torch.device):
-    """``(backend name, launcher)`` for ``op`` on ``device``."""
+    """``(backend name, launcher)`` for ``op`` on ``device``. Ops call it before their
+    first launch; on CUDA it raises if a graph is being captured (see
+    :func:`fastpar._cuda.refuse_capture`)."""
     backend = backend_for(device)
+    if device.type == "cuda" and backend == "triton":
+        _cuda.refuse_capture(op, device)
     return backend, _kernel(backend, op)
 
 

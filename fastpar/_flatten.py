@@ -240,8 +240,8 @@ def pack_bytes(plan, bufs, layout) -> None:
     for buf in bufs:
         if buf.device != plan.device:
             raise ValueError(f"the byte buffer must be on the tensors' device {plan.device}, got {buf.device}")
-    groups, _ = _staged_groups(plan, fill=True)
     backend, launch = _dispatch.kernel("broadcast", plan.device)
+    groups, _ = _staged_groups(plan, fill=True)
     for g, off in zip(groups, layout):
         # Same chunking knobs as flatten (the same kernel shape).
         kwargs = _tuning.params("flatten", backend, g.dtype, g.dtype, g.numel * len(bufs))

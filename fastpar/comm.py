@@ -507,7 +507,8 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
         out_plan = _check_out(out, plans[0], plans, dst)
     if complex_:
         return _reduce_complex(inputs, destination, buffer_size, out)
-    # -- validated: from here on, launches.
+    # -- validated: from here on, launches (on CUDA, kernel() refuses a graph capture).
+    backend, launch = _dispatch.kernel("reduce_add", dst)
     if dst.type == "cpu":
         path = "host"
     else:
@@ -522,7 +523,6 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
     sources, keep_alive = _source_addresses(plans, dst, path)
     if dst.type == "cuda":
         _cuda.wait_for(dst, devs)
-    backend, launch = _dispatch.kernel("reduce_add", dst)
     for gi, g in enumerate(plans[0].groups):
         group = ReduceGroup(
             g.dtype, dst, np.stack([s[gi] for s in sources]), dst_addr[gi], g.numels,

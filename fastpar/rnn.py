@@ -503,6 +503,10 @@ def _pack(weights, layout: RNNLayout, out, cache: bool, more_outs=()) -> torch.T
         i = plan.overlaps(t)
         if i >= 0:
             raise ValueError(f"{name} overlaps the memory of weights[{i}] ({layout.names[i]}); it must be a separate buffer")
+    # A raw copy takes broadcast, which streams large packs past the cache. Resolved
+    # before anything is allocated or staged: on CUDA this refuses a graph capture.
+    op = "broadcast" if plan.dtypes[0] == layout.dtype else "flatten"
+    backend, launch = _dispatch.kernel(op, layout.device)
     if out is None:
         out = _alloc.empty(layout.numel, dtype=layout.dtype, device=layout.device)
     outs = [out, *more_outs]
@@ -521,11 +525,9 @@ def _pack(weights, layout: RNNLayout, out, cache: bool, more_outs=()) -> torch.T
                 plan.internal_refs += 1
     else:  # staged temporaries: a one-off group
         packed = _packing_group(g, layout)
-    if g.dtype == layout.dtype:  # a raw copy: broadcast streams large packs past the cache
-        backend, launch = _dispatch.kernel("broadcast", layout.device)
+    if op == "broadcast":
         launch(packed, outs, **_tuning.params("flatten", backend, g.dtype, g.dtype, layout.numel * len(outs)))
     else:
-        backend, launch = _dispatch.kernel("flatten", layout.device)
         for o in outs:
             launch(packed, o, None, **_tuning.params("flatten", backend, g.dtype, o.dtype, layout.numel))
     increment_version(outs)

@@ -1310,3 +1310,54 @@ def test_cuda_triton_agrees_with_numba_bit_for_bit():
     with fastpar.use_backend("numba"):
         on_cpu = fastpar.flatten(ts, dtype=torch.bfloat16, scale=1 / 3)
     assert torch.equal(on_gpu.cpu().view(torch.int16), on_cpu.view(torch.int16))
+
+
+@cuda
+def test_cuda_graph_capture_is_refused_before_writing():
+    """fastpar's Triton launches read pointer tables copied from the host (reduce_add's
+    per call, through pinned buffers reused once the call returns): a replayed graph would
+    read them stale. Each op refuses a capture, after warm-up too, and writes nothing."""
+    from fastpar import comm, rnn
+
+    ts = [rand((10,), torch.float32, device="cuda"), rand((3, 5), torch.float32, device="cuda")]
+    out = torch.zeros(25, device="cuda")
+    dst = [torch.zeros_like(t) for t in ts]
+    lstm = torch.nn.LSTM(4, 5).cuda()
+    layout = rnn.RNNLayout.for_module(lstm)
+    packed = torch.zeros(layout.numel, device="cuda")
+    ops = {
+        "flatten": lambda: fastpar.flatten(ts, out=out),
+        "unflatten_into": lambda: fastpar.unflatten_into(out, dst),
+        "reduce_add": lambda: comm.reduce_add_coalesced([ts, ts], destination=0),
+        "pack": lambda: rnn.pack(list(lstm._flat_weights), layout, out=packed),
+    }
+    for name, op in ops.items():
+        op()  # warm-up outside the capture: plans and their tables cached
+        torch.cuda.synchronize()
+        before = [t.clone() for t in (out, *dst, packed)]
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match="CUDA graph is being captured"):
+            with torch.cuda.graph(graph):
+                op()
+        torch.cuda.synchronize()
+        for b, t in zip(before, (out, *dst, packed)):
+            assert torch.equal(b, t), f"{name}: a refused capture wrote"
+
+
+def test_kernel_refuses_cuda_graph_capture(monkeypatch):
+    """The wiring of the test above, run without a GPU: ``_dispatch.kernel`` asks whether
+    the CUDA device's current stream is capturing before handing out a Triton launcher,
+    and not for CPU tensors or the torch backend."""
+    import contextlib
+
+    from fastpar import _dispatch
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: asked.append(1) or True)
+    with pytest.raises(RuntimeError, match=r"fastpar's reduce_add cannot run while a CUDA graph is being captured on cuda:1"):
+        _dispatch.kernel("reduce_add", torch.device("cuda", 1))
+    assert _dispatch.kernel("flatten", torch.device("cpu"))[0] in ("numba", "triton", "torch")
+    with fastpar.use_backend("torch"):
+        assert _dispatch.kernel("flatten", torch.device("cuda", 0))[0] == "torch"
+    assert len(asked) == 1
