@@ -29,10 +29,17 @@ __all__ = ["replicate"]
 
 
 class _BufferPool:
-    """Persistent per-device buffers, refilled only once nothing else refers to them."""
+    """Persistent per-device buffers, refilled only once nothing else refers to them.
+
+    On CUDA, "nothing refers to it" says only that the host let go: the last call's
+    replicas may still be read by kernels queued on the stream that was current when the
+    buffer was handed out. Refilled on that same stream, the new writes queue behind
+    them; handed out while another stream is current, that stream first waits for the
+    old one (what ``record_stream`` arranges for the caching allocator's blocks)."""
 
     def __init__(self) -> None:
         self._slots: dict = {}
+        self._streams: dict = {}  # key -> the CUDA stream current when last handed out
         self._lock = threading.Lock()
         self.allocations = 0
 
@@ -47,10 +54,18 @@ class _BufferPool:
             # Every view (a replica's parameter, a tensor saved for backward) holds a
             # reference to the storage: at the count it had when new, none is left.
             if slot is not None and slot.buf.numel() == nbytes and slot.buf.device == device and slot.idle():
-                return slot.buf.view(-1)
-            buf = _alloc.empty(nbytes, dtype=torch.uint8, device=device)
-            self._slots[key] = _alloc.IdleBuffer(buf)
-            self.allocations += 1
+                buf = slot.buf
+            else:
+                buf = _alloc.empty(nbytes, dtype=torch.uint8, device=device)
+                self._slots[key] = _alloc.IdleBuffer(buf)
+                self._streams.pop(key, None)  # a new block: the allocator orders its reuse
+                self.allocations += 1
+            if buf.is_cuda:
+                current = torch.cuda.current_stream(buf.device)
+                last = self._streams.get(key)
+                if last is not None and last != current:
+                    current.wait_stream(last)
+                self._streams[key] = current
             return buf.view(-1)
 
 

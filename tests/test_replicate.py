@@ -291,6 +291,29 @@ def test_cuda_replica_on_source_device_shares_storage():
     assert torch.equal(rep[:-1](x[:, 0]), net[:-1](x[:, 0]))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_pool_refilled_on_another_stream_waits_for_the_last():
+    """A replica buffer the host let go may still be read by kernels queued on the
+    stream current when it was handed out; refilled while another stream is current,
+    that stream first waits for them."""
+    from fastpar.replicate import _BufferPool
+
+    pool, dev = _BufferPool(), torch.device("cuda", torch.cuda.current_device())
+    first, second = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    with torch.cuda.stream(first):
+        buf = pool.get("params", 1 << 24, dev)
+        buf.fill_(1)
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU time queued on `first`
+        seen = buf.clone()  # the last replicas' read, behind the sleep
+    del buf
+    with torch.cuda.stream(second):
+        again = pool.get("params", 1 << 24, dev)
+        again.fill_(2)  # the next call's refill
+    assert pool.allocations == 1, "the buffer must be the one reused"
+    torch.cuda.synchronize()
+    assert bool((seen == 1).all()), "the refill on another stream overtook the last read"
+
+
 def test_third_order_gradient_through_replicate_counts_every_replica():
     """ReduceAddCoalesced's backward is differentiable (BroadcastCoalesced), as torch's:
     a plain broadcast there cut replicas 1.. out of higher-order graphs, so a third
