@@ -521,7 +521,9 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
         dst_tensors = [g.tensors for g in out_plan.groups]
         fresh = [False] * len(out_plan.groups)
     sources, keep_alive = _source_addresses(plans, dst, path)
-    if dst.type == "cuda":
+    if path == "peer":
+        # The kernel reads other devices' memory directly: order it after their streams.
+        # (The staged path reads only memory on dst, where torch's copies ordered it.)
         _cuda.wait_for(dst, devs)
     for gi, g in enumerate(plans[0].groups):
         group = ReduceGroup(
@@ -529,7 +531,7 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
             [kept[gi] for kept in keep_alive], dst_tensors[gi], g._blocks, fresh=fresh[gi],
         )
         launch(group, **_tuning.params("reduce_add", backend, g.dtype, g.dtype, g.numel))
-    if dst.type == "cuda":
+    if path == "peer":
         _cuda.release_to(dst, devs)
     if out is not None:
         increment_versions(out_plan.tensors, out_plan.impls)
