@@ -118,6 +118,11 @@ class RNNLayout:
     offsets_np: np.ndarray = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
+        # Tuples whatever sequences were given: a layout is a dict key (the packing
+        # cache) and its shapes are compared with torch.Size.
+        object.__setattr__(self, "names", tuple(self.names))
+        object.__setattr__(self, "shapes", tuple(tuple(int(d) for d in s) for s in self.shapes))
+        object.__setattr__(self, "offsets", tuple(int(o) for o in self.offsets))
         n = len(self.names)
         if len(self.shapes) != n or len(self.offsets) != n:
             raise ValueError(

@@ -413,3 +413,59 @@ def test_sparse_buffers_and_parameters_replicate_and_train():
         g, = torch.autograd.grad(model(x).pow(2).sum(), net.w, create_graph=True)
         return torch.autograd.grad(g.to_dense().pow(2).sum(), net.w)[0].to_dense()
     torch.testing.assert_close(second(dp), second(net), rtol=1e-12, atol=1e-12)
+
+
+def test_rnn_buffers_are_reused_with_three_host_replicas():
+    net = nn.Sequential(nn.Linear(5, 5), nn.LSTM(5, 3, batch_first=True))
+    replicate(net, ["cpu"] * 3, detach=True)
+    gc.collect()
+    replicate(net, ["cpu"] * 3, detach=True)
+    gc.collect()
+    pool = _POOLS[net]
+    before = pool.allocations
+    for _ in range(3):
+        reps = replicate(net, ["cpu"] * 3, detach=True)
+        assert all(torch.equal(r[1].weight_hh_l0, net[1].weight_hh_l0) for r in reps)
+        del reps
+        gc.collect()
+    assert pool.allocations == before, "steady state allocates nothing"
+
+
+def test_rnn_with_weights_of_two_dtypes_replicates_generically():
+    m = nn.GRU(3, 4)
+    m.bias_hh_l0.data = m.bias_hh_l0.data.double()
+    reps = replicate(m, ["cpu", "cpu"])
+    for n, p in m.named_parameters():
+        q = getattr(reps[1], n)
+        assert q.dtype == p.dtype and torch.equal(q, p), n
+
+
+def test_global_registration_hooks_fire_for_replica_buffers():
+    from torch.nn.modules.module import register_module_buffer_registration_hook
+    seen = []
+    handle = register_module_buffer_registration_hook(lambda mod, name, buf: seen.append((type(mod).__name__, name)))
+    try:
+        net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+        seen.clear()
+        replicate(net, ["cpu", "cpu"])  # torch's replicate: setattr -> register_buffer -> hook
+    finally:
+        handle.remove()
+    names = [n for n, _ in net[1].named_buffers()]
+    assert sorted(seen) == sorted(("BatchNorm1d", n) for n in names for _ in range(2))
+
+
+def test_frozen_parameter_copies_do_not_require_grad():
+    net = nn.Linear(2, 2)
+    net.bias.requires_grad_(False)
+    reps = replicate(net, ["cpu", "cpu"])
+    for r in reps:
+        assert r.weight.requires_grad and not r.bias.requires_grad
+
+
+def test_pool_allocates_anew_when_the_network_grows():
+    net = nn.Sequential(nn.Linear(2, 2))
+    replicate(net, ["cpu", "cpu"], detach=True)  # its buffers are free again at once
+    gc.collect()
+    net[0] = nn.Linear(40, 40)  # the parameters now need more bytes than the kept buffer
+    r = replicate(net, ["cpu", "cpu"], detach=True)[1]
+    assert torch.equal(r[0].weight, net[0].weight) and torch.equal(r[0].bias, net[0].bias)

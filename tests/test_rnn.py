@@ -620,3 +620,118 @@ def test_cuda_replaced_zero_source_is_kept_alive():
     side.synchronize()
     assert_same_bits(first, expected_pack(ws, small), "pack on a side stream")
     assert_same_bits(second, expected_pack(ws, large), "pack after the replacement")
+
+
+# --- found by mutation testing: layout checks, is_flat, flatten_parameters
+
+
+def test_layout_refuses_a_one_element_overlap():
+    layout = RNNLayout.for_config("GRU", 3, 4)
+    offs = list(layout.offsets)
+    offs[1:] = [o - 1 for o in offs[1:]]  # weight_hh_l0 starts on weight_ih_l0's last element
+    with pytest.raises(ValueError, match="weight_ih_l0 and weight_hh_l0 overlap"):
+        dataclasses.replace(layout, offsets=tuple(offs))
+
+
+def test_layout_refuses_a_negative_offset():
+    layout = RNNLayout.for_config("GRU", 3, 4)
+    with pytest.raises(ValueError, match=r"weight_ih_l0 at \[-1, 35\) lies outside"):
+        dataclasses.replace(layout, offsets=(-1, *layout.offsets[1:]))
+
+
+def test_is_flat_false_for_a_non_contiguous_weight_at_its_offset():
+    m = make("RNN_TANH", 1)  # weight_hh_l0 is square: a transposed view has its shape
+    rnn.flatten_parameters(m)
+    w = m.weight_hh_l0
+    with torch.no_grad():  # same storage, same data pointer, same shape, transposed strides
+        w.set_(w.untyped_storage(), w.storage_offset(), w.shape, (1, w.shape[0]))
+    assert not w.is_contiguous()
+    assert not rnn.is_flat(m), "cuDNN would read this weight as a dense matrix: transposed"
+    expected = w.detach().clone()
+    buf = rnn.flatten_parameters(m)
+    assert rnn.is_flat(m) and m.weight_hh_l0.is_contiguous()
+    assert torch.equal(RNNLayout.for_module(m).views(buf)[1], expected)
+
+
+class _Scale(torch.nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+def test_is_flat_is_false_not_an_error_for_a_parametrized_weight():
+    m = make("GRU", 1)
+    rnn.flatten_parameters(m)
+    torch.nn.utils.parametrize.register_parametrization(m, "weight_hh_l0", _Scale())
+    assert rnn.is_flat(m) is False  # documented: raises only for a non-RNNBase
+
+
+def test_gaps_larger_than_any_before_are_zero_filled(monkeypatch):
+    monkeypatch.setattr(rnn, "_ZEROS", {})  # start from no zero source, whatever ran before
+    m = make("GRU", 1, input_size=7, hidden_size=9, dtype=torch.float64)
+    dense = RNNLayout.for_module(m)
+    for pad in (3, 5000):  # the zero source was made for small gaps first; then a large one
+        layout = gapped(dense, pad=pad)
+        out = rnn.pack(list(m._flat_weights), layout, out=poisoned(layout.numel, dtype=torch.float64))
+        assert torch.equal(out, expected_pack(m._flat_weights, layout)), f"pad={pad}"
+
+
+def test_layout_for_module_refuses_reordered_weight_names():
+    m = make("GRU", 1)
+    names = list(m._flat_weights_names)
+    names[2], names[3] = names[3], names[2]  # bias_hh_l0 before bias_ih_l0: same shapes
+    m._flat_weights_names = names
+    with pytest.raises(ValueError, match="differ from nn.RNNBase's"):
+        RNNLayout.for_module(m)
+
+
+def test_layout_refuses_proj_size_equal_to_hidden_size():
+    with pytest.raises(ValueError):  # as torch.nn.LSTM does
+        torch.nn.LSTM(3, 4, proj_size=4)
+    with pytest.raises(ValueError, match="proj_size must be 0, or in"):
+        RNNLayout.for_config("LSTM", 3, 4, proj_size=4)
+
+
+def test_pack_refuses_a_conversion_the_kernels_do_not_support():
+    m = make("GRU", 1)
+    layout = RNNLayout.for_module(m, dtype=torch.complex64)
+    with pytest.raises(TypeError, match="pack: cannot convert torch.float32 to torch.complex64"):
+        rnn.pack(list(m._flat_weights), layout)
+
+
+def test_flatten_parameters_refreshes_a_stale_flat_weights_list():
+    m = make("GRU", 1)
+    ref = copy.deepcopy(m)
+    new = torch.nn.Parameter(torch.randn_like(m.weight_hh_l0))
+    m._parameters["weight_hh_l0"] = new  # bypasses RNNBase.__setattr__: _flat_weights is stale
+    ref.weight_hh_l0 = torch.nn.Parameter(new.detach().clone())
+    rnn.flatten_parameters(m)
+    assert m._flat_weights[1] is new
+    x = torch.randn(4, 2, 5)
+    torch.testing.assert_close(m(x)[0], ref(x)[0], rtol=0, atol=0)
+
+
+def test_views_with_one_element_gaps():
+    layout = gapped(RNNLayout.for_config("GRU", 3, 4, bidirectional=True), pad=1)
+    buf = torch.arange(layout.numel, dtype=torch.float32)
+    for v, s, o in zip(layout.views(buf), layout.shapes, layout.offsets):
+        assert tuple(v.shape) == s and v.data_ptr() == buf.data_ptr() + 4 * o
+
+
+def test_layout_for_module_with_only_the_device_given_still_checks_dtypes():
+    m = make("GRU", 1)
+    m.bias_hh_l0.data = m.bias_hh_l0.data.double()  # "the dtype of the module's weights" is not one dtype
+    with pytest.raises(TypeError, match="must all have one dtype"):
+        RNNLayout.for_module(m, device="cpu")
+    assert RNNLayout.for_module(m, device="cpu", dtype=torch.float32).dtype == torch.float32  # both given: no question
+
+
+def test_layout_takes_lists_as_tuples():
+    """A layout given lists (``dataclasses.replace(layout, offsets=[...])``) equals the one
+    given tuples and packs: it is a dict key, and its shapes are compared with Size."""
+    m = make("GRU", 1)
+    layout = RNNLayout.for_module(m)
+    listed = dataclasses.replace(layout, names=list(layout.names), offsets=list(layout.offsets),
+                                 shapes=[list(s) for s in layout.shapes])
+    assert listed == layout and hash(listed) == hash(layout)
+    out = rnn.pack(list(m._flat_weights), listed, out=poisoned(layout.numel))
+    assert_same_bits(out, expected_pack(m._flat_weights, layout), "a layout given lists")
