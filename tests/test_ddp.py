@@ -326,6 +326,14 @@ def _sync_worker(rank):
     except ValueError as e:
         out["bad_src"] = str(e)
     out["bad_src_unchanged"] = _unchanged(m, before)
+    # src is a global rank: rank 1 is src of a group of its own, in which its rank is 0.
+    sub = dist.new_group([1])  # collective: both ranks
+    torch.manual_seed(rank)
+    m = nn.Linear(4, 3)
+    before = _state(m)
+    if rank == 1:
+        fddp.sync_params(m, src=1, process_group=sub)
+    out["subgroup_src_unchanged"] = _unchanged(m, before)
     return out
 
 
@@ -475,6 +483,12 @@ def test_sync_params_rejects_mismatched_modules_on_every_rank(synced):
         assert synced[rank]["bad_src"] is not None and "src must be a global rank" in synced[rank]["bad_src"]
         assert synced[rank]["mismatch_unchanged"] and synced[rank]["bad_src_unchanged"], \
             f"rank {rank}: a rejected sync_params changed the module"
+
+
+def test_sync_params_src_is_a_global_rank_in_a_subgroup(synced):
+    # Rank 1 is src of the group [1], where its group rank is 0: nothing to receive, its
+    # module unchanged (read as a group rank, src 1 made it receive uninitialised bytes).
+    assert synced[1]["subgroup_src_unchanged"] and synced[0]["subgroup_src_unchanged"]
 
 
 def _failing_worker(rank):
@@ -1083,3 +1097,155 @@ def test_hooks_take_torch_hooks_argument_names():
     assert names(fddp.allreduce_hook) == names(torch_hooks.allreduce_hook) == ["process_group", "bucket"]
     for ours in (fddp.fp16_compress_hook, fddp.bf16_compress_hook, fddp.compress_hook(torch.float16)):
         assert names(ours) == names(torch_hooks.fp16_compress_hook)
+
+
+# --- found by mutation testing: hook checks, bucket cache, register
+
+
+@pytest.fixture
+def fake_collectives(monkeypatch):
+    monkeypatch.setattr(dist, "all_reduce", _fake_all_reduce)
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "gloo")
+    monkeypatch.setattr(fddp, "_group_of", lambda state, name="state": state)
+    monkeypatch.setattr(fddp, "_checked", set())
+
+
+def test_first_call_check_is_per_hook(one_rank, monkeypatch):
+    # allreduce_hook takes sparse buckets; that must not wave a sparse bucket through a
+    # compress hook's check later (same group, device, dtype and layout).
+    monkeypatch.setattr(fddp, "_checked", set())
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0]]), torch.ones(1, 3), (4, 3), check_invariants=True)
+    fddp._check_once(one_rank, sparse, sparse.dtype, "allreduce_hook")
+    with pytest.raises(TypeError, match="gradient buckets must be dense to be cast"):
+        fddp._check_once(one_rank, sparse, torch.bfloat16, "compress_hook(bfloat16)")
+
+
+def test_first_call_check_is_per_process_group(one_rank, monkeypatch):
+    # Two DDP models on two groups: a check passed on a gloo group says nothing about
+    # a group whose backend for CPU tensors is NCCL.
+    nccl_group = _FakeGroup(2)
+    monkeypatch.setattr(dist, "get_backend_config",
+                        lambda group=None: "cpu:nccl,cuda:nccl" if group is nccl_group else "gloo")
+    monkeypatch.setattr(fddp, "_checked", set())
+    buf = torch.zeros(4)
+    fddp._check_once(one_rank, buf, torch.bfloat16, "compress_hook(bfloat16)")
+    with pytest.raises(TypeError, match="only reduces CUDA tensors"):
+        fddp._check_once(nccl_group, buf, torch.bfloat16, "compress_hook(bfloat16)")
+
+
+def test_hooks_follow_a_change_of_world_size_on_the_same_bucket(fake_collectives):
+    # Resolved passes are cached per bucket; the scale they were bound with is part of
+    # what must match (the same bucket reduced over groups of different sizes).
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    buf = x.clone()
+    for n in (2, 4, 2):
+        buf.copy_(x)
+        got = fddp.allreduce_hook(_FakeGroup(n), _FakeBucket(buf)).wait()
+        assert torch.equal(got, x / n), f"allreduce_hook, world size {n}"
+        buf.copy_(x)
+        got = fddp.bf16_compress_hook(_FakeGroup(n), _FakeBucket(buf)).wait()
+        assert torch.equal(got, (x * (1.0 / n)).bfloat16().float()), f"bf16 hook, world size {n}"
+
+
+def test_hooks_bump_the_buckets_version_counter(fake_collectives):
+    # torch's hooks write the bucket with div_/copy_, which autograd sees; fastpar's
+    # kernels write through raw pointers and must bump the version themselves.
+    for hook in (fddp.allreduce_hook, fddp.bf16_compress_hook):
+        buf = torch.randn(100)
+        before = buf._version
+        hook(_FakeGroup(2), _FakeBucket(buf)).wait()
+        assert buf._version > before, hook.__name__
+
+
+def test_allreduce_hook_averages_a_sparse_bucket_as_torch(fake_collectives):
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.randn(2, 3), (4, 3), check_invariants=True).coalesce()
+    got = fddp.allreduce_hook(_FakeGroup(2), _FakeBucket(sparse.clone())).wait()
+    exp = torch_hooks.allreduce_hook(_FakeGroup(2), _FakeBucket(sparse.clone())).wait()
+    assert torch.equal(got.to_dense(), exp.to_dense())
+    assert torch.equal(got.to_dense(), sparse.to_dense() / 2)
+
+
+def test_compress_hooks_keep_one_buffer_per_wire_dtype(fake_collectives):
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(1)) * 3
+    buf = x.clone()
+    for wire in (torch.bfloat16, torch.float16, torch.bfloat16):
+        buf.copy_(x)
+        got = fddp.compress_hook(wire)(_FakeGroup(2), _FakeBucket(buf)).wait()
+        assert torch.equal(got, (x * 0.5).to(wire).float()), f"{wire}"
+
+
+def test_register_skips_parameters_ddp_ignores(one_rank):
+    # A sparse embedding DDP is told to ignore (it is synchronized otherwise) does not
+    # reach the hook, so a compress hook may be registered.
+    net = nn.Sequential(nn.Embedding(10, 3, sparse=True), nn.Linear(3, 1))
+    DDP._set_params_and_buffers_to_ignore_for_model(net, ["0.weight"])
+    model = DDP(net)
+    fddp.register(model, fddp.fp16_compress_hook)
+    model(torch.tensor([[1, 2]])).sum().backward()
+    assert model.module[1].weight.grad is not None
+
+
+def test_register_defaults_to_the_models_process_group(one_rank, monkeypatch):
+    pg = dist.new_group([0])
+    model = DDP(nn.Linear(4, 2), process_group=pg)
+    fddp.register(model, fddp.bf16_compress_hook)
+    seen = []
+    real = dist.all_reduce
+
+    def recording_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        seen.append(group)
+        return real(tensor, op=op, group=group, async_op=async_op)
+
+    monkeypatch.setattr(dist, "all_reduce", recording_all_reduce)
+    model(torch.randn(3, 4)).sum().backward()
+    assert seen and all(g is pg for g in seen), seen
+
+
+def test_compress_hook_refuses_an_integer_bucket_before_any_collective(one_rank, monkeypatch):
+    calls = []
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(fddp, "_checked", set())
+    with pytest.raises(TypeError, match="scale needs floating-point tensors"):
+        fddp.bf16_compress_hook(one_rank, _FakeBucket(torch.arange(6, dtype=torch.int32)))
+    assert calls == []
+
+
+def test_register_checks_every_gradient_dtype(one_rank, monkeypatch):
+    # A float32 parameter checked first must not wave through a float64 one the backend
+    # (here a gloo that is told not to reduce float64) cannot reduce.
+    monkeypatch.setattr(fddp, "_GLOO_DTYPES", fddp._GLOO_DTYPES - {torch.float64})
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double())
+    with pytest.raises(TypeError, match=r"cannot all-reduce torch.float64 tensors.*parameter '1.weight'"):
+        fddp.register(DDP(net), fddp.allreduce_hook)
+
+
+def test_bucket_cache_tells_apart_buckets_at_one_address(fake_collectives):
+    # A bucket's entry (its bound passes and low-precision buffer) is for its size: a
+    # smaller live bucket starting at the same address must not reuse it (the bound
+    # passes would write past the smaller bucket's end).
+    whole = torch.randn(1000, generator=torch.Generator().manual_seed(2))
+    store = whole.clone()
+    fddp.bf16_compress_hook(_FakeGroup(2), _FakeBucket(store)).wait()
+    store.copy_(whole)
+    head = store[:10]
+    got = fddp.bf16_compress_hook(_FakeGroup(2), _FakeBucket(head)).wait()
+    assert torch.equal(got, (whole[:10] * 0.5).bfloat16().float())
+    assert torch.equal(store[10:], whole[10:]), "the hook wrote outside its bucket"
+
+
+def test_bucket_cache_does_not_hand_a_new_bucket_a_freed_ones_entry(one_rank):
+    # A new bucket allocated where a freed one was (same address, size and dtype: what
+    # the allocator does after DDP rebuilds its buckets) must get an entry that tracks
+    # *its* storage; a stale entry is dropped while in use, its buffers reallocated.
+    # frombuffer over one bytearray: a new storage at the freed one's address, for sure.
+    import gc
+
+    fddp._buckets.clear()
+    memory = bytearray(4 * 4096)
+    old = torch.frombuffer(memory, dtype=torch.float32)
+    fddp._buckets.get(old)
+    del old
+    gc.collect()
+    new = torch.frombuffer(memory, dtype=torch.float32)
+    assert not fddp._buckets.get(new).alive.expired()
+    fddp._buckets.clear()

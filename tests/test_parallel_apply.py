@@ -1,6 +1,9 @@
 """``fastpar.parallel_apply``: torch's argument rules, with CPU replicas."""
 from __future__ import annotations
 
+import contextvars
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -52,3 +55,59 @@ def test_top_level_names_are_torch_nn_parallel_s():
     assert fastpar.parallel_apply is parallel_apply
     assert fastpar.scatter is scatter_gather.scatter and fastpar.gather is scatter_gather.gather
     assert {"parallel_apply", "scatter", "gather", "replicate", "data_parallel", "DataParallel"} <= set(fastpar.__all__)
+
+
+def test_replica_exception_is_reraised_naming_the_replica():
+    finished = []
+
+    class Slow(nn.Module):
+        def forward(self, x):
+            time.sleep(0.2)
+            finished.append(True)
+            return x
+
+    class Boom(nn.Module):
+        def forward(self, x):
+            raise ValueError("replica failed on purpose")
+
+    x = torch.randn(2)
+    with pytest.raises(ValueError, match=r"(?s)in replica 1 on device cpu.*replica failed on purpose"):
+        parallel_apply([Slow(), Boom()], [(x,), (x,)], None, ["cpu", "cpu"])
+    assert finished == [True], "the other replica's thread must have finished"
+
+
+def test_grad_mode_is_carried_into_the_replicas():
+    mods = [nn.Linear(2, 2), nn.Linear(2, 2)]
+    xs = [(torch.randn(3, 2),) for _ in mods]
+    with torch.no_grad():
+        outs = parallel_apply(mods, xs, None, ["cpu", "cpu"])
+    assert not any(o.requires_grad for o in outs)
+    outs = parallel_apply(mods, xs, None, ["cpu", "cpu"])
+    assert all(o.requires_grad for o in outs)
+
+
+def test_autocast_is_carried_into_the_replicas():
+    mods = [nn.Linear(4, 4), nn.Linear(4, 4)]
+    xs = [(torch.randn(3, 4),) for _ in mods]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = parallel_apply(mods, xs, None, ["cpu", "cpu"])
+        ref = [m(*x) for m, x in zip(mods, xs)]
+    assert [o.dtype for o in outs] == [r.dtype for r in ref] == [torch.bfloat16] * 2
+    for o, r in zip(outs, ref):
+        assert torch.equal(o, r)
+
+
+_var = contextvars.ContextVar("fastpar_test_var", default="unset")
+
+
+def test_context_variables_are_carried_into_the_replicas():
+    class Read(nn.Module):
+        def forward(self, x):
+            return _var.get()
+
+    token = _var.set("caller")
+    try:
+        outs = parallel_apply([Read(), Read()], [(torch.ones(1),)] * 2, None, ["cpu", "cpu"])
+    finally:
+        _var.reset(token)
+    assert outs == ["caller", "caller"]

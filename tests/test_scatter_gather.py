@@ -12,6 +12,7 @@ import fastpar
 from fastpar.scatter_gather import gather, scatter, scatter_kwargs
 
 CPU2 = ["cpu", "cpu"]
+Pair = collections.namedtuple("Pair", "x y")
 
 
 def test_scatter_takes_torch_argument_names():
@@ -131,3 +132,52 @@ def test_scatter_to_host_replicas_gives_one_view_and_copies():
         for g, p in zip(got, m.parameters()):
             assert_close(g, p.grad, what="grad with an in-place ReLU in each replica")
         m.zero_grad()
+
+
+def test_scatter_keeps_namedtuples():
+    # torch.nn.parallel.scatter rebuilds a namedtuple per device (type(obj)(*args)).
+    x = torch.randn(4, 3)
+    parts = scatter(Pair(x, 1.5), CPU2)
+    assert [type(p) for p in parts] == [Pair, Pair]
+    assert torch.equal(parts[1].x, x[2:]) and parts[1].y == 1.5
+
+
+def test_scatter_keeps_dict_and_list_types():
+    x = torch.randn(4, 3)
+    parts = scatter(collections.OrderedDict(b=x, a=[x, 2]), CPU2)
+    assert [type(p) for p in parts] == [collections.OrderedDict] * 2
+    assert list(parts[0]) == ["b", "a"]
+    assert [type(p["a"]) for p in parts] == [list, list]
+    assert torch.equal(parts[1]["a"][0], x[2:]) and parts[1]["a"][1] == 2
+
+
+def test_scatter_copies_empty_containers_to_every_device():
+    # An empty tuple/list/dict is an object like any other: each device gets it, and
+    # it must not truncate the zip of its siblings to nothing.
+    x = torch.randn(4, 3)
+    parts = scatter((x, (), []), CPU2)
+    assert len(parts) == 2
+    for p, w in zip(parts, x.chunk(2)):
+        assert torch.equal(p[0], w) and p[1] == () and p[2] == []
+
+
+def test_scatter_kwargs_drops_extra_chunks_without_tensors():
+    # A batch of 1 on 2 devices gives 1 positional chunk; the float keyword is copied to
+    # both devices, but only one replica must run (not a second one without inputs).
+    x = torch.randn(1, 3)
+    inputs, kwargs = scatter_kwargs((x,), {"scale": 0.5}, CPU2)
+    assert len(inputs) == len(kwargs) == 1
+    assert torch.equal(inputs[0][0], x) and kwargs[0] == {"scale": 0.5}
+
+
+def test_gather_rejects_dicts_with_different_key_counts():
+    a, b = torch.randn(2, 3), torch.randn(1, 3)
+    with pytest.raises(ValueError, match="All dicts must have the same number of keys"):
+        gather([{"a": a}, {"a": b, "extra": b}], "cpu")
+
+
+def test_gather_passes_none_through():
+    a, b = torch.randn(2, 3), torch.randn(1, 3)
+    assert gather([None, None], "cpu") is None
+    out = gather([(a, None), (b, None)], "cpu")
+    assert torch.equal(out[0], torch.cat([a, b])) and out[1] is None
