@@ -30,6 +30,7 @@ Example::
 # postponed (string) annotations would fail that check.
 import contextvars
 import threading
+import weakref
 import zlib
 
 import torch
@@ -145,17 +146,23 @@ def _check_reducible(group, device: torch.device, dtype: torch.dtype, who: str, 
         )
 
 
-#: (id of group, device, bucket dtype and layout, hook) already checked by a hook (a hook re-checks
-#: lazily so that a hook registered without :func:`register` still fails on every rank,
-#: before any collective, instead of hanging one of them).
-_checked: set = set()
+#: Per process group (held weakly: it goes with the group), the (device, bucket dtype and
+#: layout, hook) already checked by a hook (a hook re-checks lazily so that a hook
+#: registered without :func:`register` still fails on every rank, before any collective,
+#: instead of hanging one of them). Keyed on the group object, not its ``id``: a new
+#: group of another backend could take a destroyed one's id and skip its check.
+_checked: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _check_once(group, buf: torch.Tensor, wire: torch.dtype, who: str) -> None:
     # The layout is part of the key: a sparse bucket after a dense one of the same dtype
     # must still be checked (and refused by the casting hooks).
-    key = (id(group), buf.device, buf.dtype, buf.layout, who)
-    if key not in _checked:
+    key = (buf.device, buf.dtype, buf.layout, who)
+    try:
+        seen = _checked.setdefault(group, set())
+    except TypeError:  # a group object that cannot be referenced weakly: check every call
+        seen = set()
+    if key not in seen:
         if buf.layout != torch.strided and who != "allreduce_hook":
             raise TypeError(
                 f"{who}: gradient buckets must be dense to be cast; got a {buf.layout} "
@@ -164,7 +171,7 @@ def _check_once(group, buf: torch.Tensor, wire: torch.dtype, who: str) -> None:
         if who != "allreduce_hook":
             check_conversion(buf.dtype, wire, 1.0, who)
         _check_reducible(group, buf.device, wire, who, f"{buf.dtype} gradient buckets")
-        _checked.add(key)
+        seen.add(key)
 
 
 # ---------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import os
 import pickle
 import tempfile
 import time
+import weakref
 
 import pytest
 import torch
@@ -655,7 +656,7 @@ def test_unsupported_backend_fails_at_registration_and_at_first_call(one_rank, m
     # before touching the model; a hook registered directly says so in its first call,
     # before any collective, so every rank raises alike instead of one hanging.
     monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:nccl,cuda:nccl")
-    monkeypatch.setattr(fddp, "_checked", set())
+    monkeypatch.setattr(fddp, "_checked", weakref.WeakKeyDictionary())
     with pytest.raises(TypeError, match="only reduces CUDA tensors; gradients of parameter"):
         fddp.register(DDP(Net()), fddp.fp16_compress_hook)
     model = DDP(Net())
@@ -752,7 +753,7 @@ def test_allreduce_scaling_is_torch_division_for_any_world_size(monkeypatch, n, 
     monkeypatch.setattr(dist, "all_reduce", _fake_all_reduce)
     monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "gloo")
     monkeypatch.setattr(fddp, "_group_of", lambda state, name="state": state)
-    monkeypatch.setattr(fddp, "_checked", set())  # fake groups' ids must not linger there
+    monkeypatch.setattr(fddp, "_checked", weakref.WeakKeyDictionary())  # start from nothing checked
     x = (torch.randn(70001, generator=torch.Generator().manual_seed(n)) * 3).to(dtype)
     mine, theirs = x.clone(), x.clone()
     with fastpar.use_backend(be):
@@ -771,7 +772,7 @@ def test_compress_hook_single_rank_share(monkeypatch, wire, n):
     monkeypatch.setattr(dist, "all_reduce", _fake_all_reduce)
     monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "gloo")
     monkeypatch.setattr(fddp, "_group_of", lambda state, name="state": state)
-    monkeypatch.setattr(fddp, "_checked", set())
+    monkeypatch.setattr(fddp, "_checked", weakref.WeakKeyDictionary())
     x = torch.randn(70001, generator=torch.Generator().manual_seed(n)) * 3
     buf = x.clone()
     with fastpar.count_launches() as launches:
@@ -915,7 +916,7 @@ def test_allreduce_hook_is_one_bitwise_pass(monkeypatch, numel, n, dtype):
     monkeypatch.setattr(dist, "all_reduce", _fake_all_reduce)
     monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "gloo")
     monkeypatch.setattr(fddp, "_group_of", lambda state, name="state": state)
-    monkeypatch.setattr(fddp, "_checked", set())
+    monkeypatch.setattr(fddp, "_checked", weakref.WeakKeyDictionary())
     x = (torch.randn(numel, generator=torch.Generator().manual_seed(numel + n)) * 3).to(dtype)
     if numel >= 10:
         x[:10] = _specials(dtype)
@@ -1107,17 +1108,32 @@ def fake_collectives(monkeypatch):
     monkeypatch.setattr(dist, "all_reduce", _fake_all_reduce)
     monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "gloo")
     monkeypatch.setattr(fddp, "_group_of", lambda state, name="state": state)
-    monkeypatch.setattr(fddp, "_checked", set())
+    monkeypatch.setattr(fddp, "_checked", weakref.WeakKeyDictionary())
 
 
 def test_first_call_check_is_per_hook(one_rank, monkeypatch):
     # allreduce_hook takes sparse buckets; that must not wave a sparse bucket through a
     # compress hook's check later (same group, device, dtype and layout).
-    monkeypatch.setattr(fddp, "_checked", set())
+    monkeypatch.setattr(fddp, "_checked", weakref.WeakKeyDictionary())
     sparse = torch.sparse_coo_tensor(torch.tensor([[0]]), torch.ones(1, 3), (4, 3), check_invariants=True)
     fddp._check_once(one_rank, sparse, sparse.dtype, "allreduce_hook")
     with pytest.raises(TypeError, match="gradient buckets must be dense to be cast"):
         fddp._check_once(one_rank, sparse, torch.bfloat16, "compress_hook(bfloat16)")
+
+
+def test_first_call_check_state_goes_with_its_group(monkeypatch):
+    # Keyed on the group object, held weakly: a destroyed group's entry goes with it, so a
+    # new group (which may take the old one's id) is checked afresh.
+    import gc
+
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "gloo")
+    monkeypatch.setattr(fddp, "_checked", weakref.WeakKeyDictionary())
+    group = _FakeGroup(2)
+    fddp._check_once(group, torch.zeros(4), torch.bfloat16, "compress_hook(bfloat16)")
+    assert len(fddp._checked) == 1
+    del group
+    gc.collect()
+    assert len(fddp._checked) == 0, "a destroyed group's checks must not be reused"
 
 
 def test_first_call_check_is_per_process_group(one_rank, monkeypatch):
@@ -1126,7 +1142,7 @@ def test_first_call_check_is_per_process_group(one_rank, monkeypatch):
     nccl_group = _FakeGroup(2)
     monkeypatch.setattr(dist, "get_backend_config",
                         lambda group=None: "cpu:nccl,cuda:nccl" if group is nccl_group else "gloo")
-    monkeypatch.setattr(fddp, "_checked", set())
+    monkeypatch.setattr(fddp, "_checked", weakref.WeakKeyDictionary())
     buf = torch.zeros(4)
     fddp._check_once(one_rank, buf, torch.bfloat16, "compress_hook(bfloat16)")
     with pytest.raises(TypeError, match="only reduces CUDA tensors"):
@@ -1204,7 +1220,7 @@ def test_register_defaults_to_the_models_process_group(one_rank, monkeypatch):
 def test_compress_hook_refuses_an_integer_bucket_before_any_collective(one_rank, monkeypatch):
     calls = []
     monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: calls.append(a))
-    monkeypatch.setattr(fddp, "_checked", set())
+    monkeypatch.setattr(fddp, "_checked", weakref.WeakKeyDictionary())
     with pytest.raises(TypeError, match="scale needs floating-point tensors"):
         fddp.bf16_compress_hook(one_rank, _FakeBucket(torch.arange(6, dtype=torch.int32)))
     assert calls == []
