@@ -277,3 +277,107 @@ def test_gc_paused_overlapping_threads():
         leave[1 - first_out].set()
         threads[1 - first_out].join(10)
         assert seen == [False, False] and gc.isenabled()
+
+
+def _recording_madvise(monkeypatch):
+    calls = []
+
+    def fake(addr, length, advice):
+        calls.append((addr, length, advice))
+        return 0
+
+    monkeypatch.setattr(_alloc, "_madvise", fake)
+    return calls
+
+
+@pytest.mark.parametrize("offset", [0, 1, 4093, (1 << 20) + 3])
+def test_hint_covers_only_whole_huge_pages_inside_the_tensor(monkeypatch, offset):
+    calls = _recording_madvise(monkeypatch)
+    base = torch.empty(offset + (9 << 20) + 12345, dtype=torch.uint8)
+    t = base[offset:]  # an unaligned start and end
+    assert _alloc.advise_huge_pages(t)
+    [(lo, length, advice)] = calls
+    start, end = t.data_ptr(), t.data_ptr() + t.numel()
+    assert advice == _alloc._MADV_HUGEPAGE
+    assert lo % _alloc._HUGE == 0 and length % _alloc._HUGE == 0 and length > 0
+    assert start <= lo and lo + length <= end, "madvise reaches memory the tensor does not own"
+    assert lo - start < _alloc._HUGE and end - (lo + length) < _alloc._HUGE  # and every whole page
+
+
+def test_hint_threshold_is_inclusive(monkeypatch):
+    calls = _recording_madvise(monkeypatch)
+    assert _alloc.advise_huge_pages(torch.empty(_alloc._MIN_BYTES, dtype=torch.uint8))
+    assert len(calls) == 1
+    assert not _alloc.advise_huge_pages(torch.empty(_alloc._MIN_BYTES - 1, dtype=torch.uint8))
+    assert len(calls) == 1
+
+
+def test_result_cache_never_hands_out_a_reused_buffer_in_use():
+    cache = _alloc.ResultCache(max_bytes=1 << 30, per_key=1)
+    a, _ = cache.empty(N, torch.float32, "cpu")
+    ptr = _storage_ptr(a)
+    del a
+    b, reused = cache.empty(N, torch.float32, "cpu")
+    assert reused and _storage_ptr(b) == ptr
+    b.fill_(1.0)
+    c, reused = cache.empty(N, torch.float32, "cpu")  # b, the reused buffer, is still alive
+    assert not reused and _storage_ptr(c) != ptr
+    c.fill_(2.0)
+    assert bool((b == 1.0).all()), "a live result's memory was handed out again"
+
+
+def test_result_cache_reuse_moves_a_key_to_most_recently_used():
+    cache = _alloc.ResultCache(max_bytes=2 * (N + 2) * 4)
+    a, _ = cache.empty(N, torch.float32, "cpu")
+    b, _ = cache.empty(N + 1, torch.float32, "cpu")
+    del a, b
+    a, reused = cache.empty(N, torch.float32, "cpu")  # key N used again: now the newest
+    assert reused
+    del a
+    c, _ = cache.empty(N + 2, torch.float32, "cpu")  # over the limit: the oldest key goes (N + 1)
+    del c
+    assert cache.empty(N, torch.float32, "cpu")[1], "the most recently used key was dropped"
+    assert not cache.empty(N + 1, torch.float32, "cpu")[1]
+
+
+def test_result_cache_counts_bytes_of_a_replaced_buffer_once():
+    cache = _alloc.ResultCache(max_bytes=(2 * N + 1) * 4, per_key=1)
+    a, _ = cache.empty(N, torch.float32, "cpu")
+    a.untyped_storage().resize_(0)
+    del a
+    b, reused = cache.empty(N, torch.float32, "cpu")  # the dead slot is replaced
+    assert not reused and cache._bytes == N * 4
+    del b
+    c, _ = cache.empty(N + 1, torch.float32, "cpu")  # both fit in the limit
+    del c
+    assert cache._bytes == (2 * N + 1) * 4
+    assert cache.empty(N, torch.float32, "cpu")[1], "a replaced buffer was counted twice"
+
+
+def test_result_cache_keeps_at_most_per_key_buffers():
+    cache = _alloc.ResultCache(max_bytes=1 << 30, per_key=1)
+    x, _ = cache.empty(N, torch.float32, "cpu")
+    y, _ = cache.empty(N, torch.float32, "cpu")  # x alive: a new buffer, not kept (per_key=1)
+    assert cache._bytes == N * 4
+    del x, y
+    x, reused_x = cache.empty(N, torch.float32, "cpu")
+    y, reused_y = cache.empty(N, torch.float32, "cpu")
+    assert reused_x and not reused_y
+
+
+def test_result_cache_keeps_a_buffer_of_exactly_max_bytes():
+    cache = _alloc.ResultCache(max_bytes=N * 4)
+    a, _ = cache.empty(N, torch.float32, "cpu")
+    assert cache._bytes == N * 4
+    del a
+    assert cache.empty(N, torch.float32, "cpu")[1]
+
+
+def test_result_cache_buffer_over_max_bytes_leaves_the_cache_alone():
+    cache = _alloc.ResultCache(max_bytes=(N + 1) * 4)
+    a, _ = cache.empty(N, torch.float32, "cpu")
+    del a
+    big, reused = cache.empty(2 * N, torch.float32, "cpu")  # over max_bytes: not cached
+    assert not reused and cache._bytes == N * 4
+    del big
+    assert cache.empty(N, torch.float32, "cpu")[1], "a buffer over the limit evicted the kept ones"

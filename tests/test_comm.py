@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import warnings
 
 import pytest
 import torch
@@ -1169,3 +1170,94 @@ def test_cuda_allocator_configs_without_raw_peer_pointers_take_the_staged_path(c
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=conf)
     res = subprocess.run([sys.executable, "-c", ALLOC_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr
+
+
+def test_reduce_refuses_same_numel_different_shapes():
+    # torch's reduce_add checks every input's size, not only its numel.
+    with pytest.raises(ValueError, match=r"position 0: inputs\[1\]\[0\] .* shape \(4, 3\)"):
+        comm.reduce_add_coalesced([[torch.ones(3, 4)], [torch.ones(4, 3)]], "cpu")
+
+
+def test_reduce_out_on_another_device_is_refused():
+    inputs = [[torch.ones(3)], [torch.ones(3)]]
+    with pytest.raises(ValueError, match="out must be on the destination cpu, got tensors on meta"):
+        comm.reduce_add_coalesced(inputs, "cpu", out=[torch.empty(3, device="meta")])
+
+
+def test_reduce_out_with_more_tensors_than_positions_is_refused():
+    inputs = [[torch.ones(3)], [torch.ones(3)]]
+    extra = torch.zeros(3)
+    with pytest.raises(ValueError, match=r"out must hold 1 tensors \(one per input position\), got 2"):
+        comm.reduce_add_coalesced(inputs, "cpu", out=[torch.zeros(3), extra])
+    assert not extra.any()
+
+
+def test_scatter_chunk_sizes_need_one_entry_per_device():
+    x = torch.arange(4.0)
+    with pytest.raises(ValueError, match=r"chunk_sizes must have one entry per device \(3\), got 2"):
+        comm.scatter(x, ["cpu"] * 3, chunk_sizes=[2, 2])
+
+
+@pytest.mark.parametrize("op", ["scatter", "gather"])
+@pytest.mark.parametrize("dim", [2, -3, True, 1.0])
+def test_scatter_gather_dim_out_of_range_or_not_an_int_is_refused(op, dim):
+    x = torch.randn(4, 6)
+    with pytest.raises(ValueError, match=r"dim must be an int in \[-2, 2\)"):
+        if op == "scatter":
+            comm.scatter(x, ["cpu", "cpu"], dim=dim)
+        else:
+            comm.gather([x, x], dim=dim, destination="cpu")
+
+
+def test_gather_scalars_only_when_all_are_scalars():
+    with pytest.raises(ValueError, match=r"tensors\[1\] .* incompatible"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # and no "all input tensors were scalars" warning
+            comm.gather([torch.tensor(1.0), torch.tensor([2.0])], 0, "cpu")
+
+
+@pytest.mark.parametrize("shape", [(12,), (3, 4), (2, 6)])
+def test_gather_out_must_have_the_gathered_shape(shape):
+    parts = [torch.randn(2, 3), torch.randn(2, 3)]
+    out = torch.zeros(shape)
+    with pytest.raises(ValueError, match=r"out must have shape \(4, 3\)"):
+        comm.gather(parts, 0, out=out)
+    assert not out.any()
+
+
+def test_gather_into_out_with_shared_elements_is_refused_before_writing():
+    # Row 0 of out is writable on its own, rows 1-2 share memory: torch's copy_ refuses
+    # only the second input's copy, after the first was written; gather must refuse first.
+    base = torch.zeros(1, 3)
+    out = base.expand(3, 3)
+    parts = [torch.ones(1, 3), torch.full((2, 3), 2.0)]
+    with pytest.raises(RuntimeError, match="share memory"):
+        comm.gather(parts, 0, out=out)
+    assert not base.any(), "gather wrote part of out before refusing it"
+
+
+def test_gather_keeps_contiguous_layout_of_tensors_also_channels_last():
+    # (2, 1, 3, 3) contiguous tensors are channels_last-contiguous as well; the result is
+    # laid out as torch.cat lays it out (contiguous), not channels_last.
+    parts = [torch.randn(2, 1, 3, 3) for _ in range(2)]
+    got = comm.gather(parts, 1, "cpu")
+    ref = torch.cat(parts, 1)
+    assert got.is_contiguous() and got.stride() == ref.stride()
+    assert torch.equal(got, ref)
+
+
+def test_gather_refuses_destination_with_out():
+    parts = [torch.ones(2, 3), torch.ones(2, 3)]
+    out = torch.zeros(4, 3)
+    with pytest.raises(RuntimeError, match="'destination' must not be specified when 'out' is specified"):
+        comm.gather(parts, 0, "cpu", out=out)
+    assert not out.any()
+
+
+def test_gather_minus_one_warning_points_at_the_caller():
+    parts = [torch.ones(2), torch.ones(2)]
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        comm.gather(parts, 0, -1)
+    [w] = [w for w in rec if issubclass(w.category, FutureWarning)]
+    assert w.filename == __file__

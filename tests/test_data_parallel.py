@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import threading
 import typing
+import warnings
 
 import pytest
 import torch
@@ -626,3 +627,65 @@ def test_cuda_scatter_gather_structures_round_trip():
     back = gather([part], -1)
     assert torch.equal(back["t"], x["t"]) and torch.equal(back["p"].a, x["p"].a)
     assert torch.equal(back["p"].b[0], x["p"].b[0])
+
+
+class _WithBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.register_buffer("scale", torch.ones(2, device="meta"))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+@pytest.mark.parametrize("api", ["class", "functional"])
+def test_module_with_a_buffer_on_the_wrong_device_is_rejected(api):
+    m = _WithBuffer()
+    x = torch.randn(4, 2)
+    with pytest.raises(RuntimeError, match=r"module must have its parameters and buffers on device cpu .* meta"):
+        if api == "class":
+            DataParallel(m, device_ids=["cpu", "cpu"])(x)
+        else:
+            data_parallel(m, x, device_ids=["cpu", "cpu"])
+
+
+def test_functional_module_on_wrong_device_is_rejected():
+    with pytest.raises(RuntimeError, match=r"module must have its parameters and buffers on device cpu"):
+        data_parallel(nn.Linear(2, 2).to("meta"), torch.randn(2, 2), device_ids=["cpu", "cpu"])
+
+
+class _Counting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1  # Python state: kept only when the module itself runs
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("api", ["class", "functional"])
+def test_one_device_runs_the_module_itself_as_torch(api):
+    # torch's DataParallel / data_parallel call the module directly for one device
+    # (no replica): state it sets in forward stays on it.
+    m = _Counting()
+    x = torch.randn(3, 2)
+    out = DataParallel(m, device_ids=["cpu"])(x) if api == "class" else data_parallel(m, x, device_ids=["cpu"])
+    assert m.calls == 1
+    torch.testing.assert_close(out, m.lin(x))
+
+
+@pytest.mark.parametrize("api", ["class", "functional"])
+def test_minus_one_output_device_warning_points_at_the_caller(api):
+    m = nn.Linear(3, 2).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        if api == "class":
+            DataParallel(m, device_ids=["cpu", "cpu"], output_device=-1)
+        else:
+            data_parallel(m, x, device_ids=["cpu", "cpu"], output_device=-1)
+    [w] = [w for w in rec if issubclass(w.category, FutureWarning)]
+    assert w.filename == __file__, w.filename
