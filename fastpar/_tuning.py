@@ -498,18 +498,24 @@ def _untunable(backend: str, device) -> str | None:
     return None
 
 
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
 def _load(slug: str, path: Path) -> _Table | None:
     """Read and validate ``path`` once; on any problem warn once and return None."""
     problem = None
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         problem = ("missing", f"no tuned launch parameters for this device (looked for {path})")
-    except OSError as e:
+    except (OSError, UnicodeDecodeError) as e:
         problem = ("invalid", f"cannot read {path} ({type(e).__name__}: {e})")
     if problem is None:
         try:
-            doc = json.loads(text)
+            # NaN and Infinity are not JSON (Python's json accepts them; the digest's
+            # json.dumps(allow_nan=False) would then raise on every op).
+            doc = json.loads(text, parse_constant=_refuse_constant)
         except ValueError as e:
             problem = ("invalid", f"ignoring {path}: not valid JSON ({e})")
         else:

@@ -531,13 +531,14 @@ def _umask() -> int:
     return mask
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to a temp file beside ``path``, fsync it, and rename it over
-    ``path``: readers see the old file or the new one, never a partial one."""
+def _write_atomic(path: Path, text: str | bytes) -> None:
+    """Write ``text`` (or bytes) to a temp file beside ``path``, fsync it, and rename it
+    over ``path``: readers see the old file or the new one, never a partial one."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; results are meant to be shared
-        with os.fdopen(fd, "w") as f:
+        f = os.fdopen(fd, "wb") if isinstance(text, bytes) else os.fdopen(fd, "w", encoding="utf-8")
+        with f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -595,11 +596,11 @@ def save(entries: dict, *, device: dict, bounds: list, space: dict, run: dict, r
     with FileLock(str(path.parent / f".{path.name}.lock"), timeout=lock_timeout):
         old, aside = None, None  # aside: (suffix, text) of a file to keep beside the new one
         if path.exists():
-            text = path.read_text()
+            text = path.read_bytes()  # kept aside byte for byte, whatever it holds
             try:
-                old = json.loads(text)
+                old = json.loads(text.decode("utf-8"), parse_constant=_tuning._refuse_constant)
                 _tuning.validate_results(old, slug=device["slug"])
-            except ValueError as e:
+            except ValueError as e:  # UnicodeDecodeError and TuningFileError among them
                 aside, old = (".rejected", text), None
                 warnings.warn(f"fastpar autotune: {path} was not a valid tuned file ({e}); keeping it as "
                               f"{path.name}.rejected and starting a new one", TuningWarning, stacklevel=3)

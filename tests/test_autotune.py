@@ -205,10 +205,23 @@ def _set(d, keys, value):
     d[keys[-1]] = value
 
 
+def _edit_text(path, edit) -> None:
+    with open(path) as f:
+        text = f.read()
+    assert edit(text) != text, "the edit must change the file"
+    with open(path, "w") as f:
+        f.write(edit(text))
+
+
 BAD_FILES = {
     "corrupt JSON": (lambda p: open(p, "w").write('{"schema": "fastpar.autotune/1", '), "not valid JSON"),
     "truncated": (lambda p: open(p, "w").write(open(p).read()[:200]), "not valid JSON"),
     "not an object": (lambda p: open(p, "w").write("[1, 2]"), "expected a JSON object"),
+    # Found by review: both raised from every op (UnicodeDecodeError is no OSError; json
+    # reads NaN, which the digest's json.dumps(allow_nan=False) then refused).
+    "not UTF-8": (lambda p: open(p, "wb").write(b"\xff\xfe\x00 not utf-8"), "UnicodeDecodeError"),
+    "NaN inside": (lambda p: _edit_text(p, lambda t: t.replace('"median_s": ', '"median_s": NaN, "x": ', 1)),
+                   "NaN is not a JSON value"),
     "wrong schema": (lambda p: _rewrite(p, lambda d: _set(d, ["schema"], "other/9"), redigest=True), "schema"),
     "hand-edited": (lambda p: _rewrite(p, lambda d: _set(d, ["entries", _key(0), "winner", "params", "chunk"], 8),
                                        redigest=False), "edited by hand"),
@@ -331,12 +344,14 @@ def test_read_only_results_dir(results, monkeypatch):
         os.chmod(ro, 0o755)
 
 
-def test_invalid_file_is_kept_aside_when_tuning(results):
+@pytest.mark.parametrize("garbage", [b"garbage", b"\xff\xfe\x00 not utf-8", b'{"schema": NaN}'],
+                         ids=["text", "not UTF-8", "NaN"])
+def test_invalid_file_is_kept_aside_when_tuning(results, garbage):
     path = _save(results, {_key(0): _entry(0, 4096)})
-    open(path, "w").write("garbage")
+    open(path, "wb").write(garbage)
     with pytest.warns(TuningWarning, match="not a valid tuned file"):
         _save(results, {_key(1): _entry(1, 16384)})
-    assert open(path + ".rejected").read() == "garbage"
+    assert open(path + ".rejected", "rb").read() == garbage, "kept aside byte for byte"
     doc = json.loads(open(path).read())
     assert list(doc["entries"]) == [_key(1)]
 
