@@ -534,3 +534,173 @@ def test_cpu_slug_names_the_cpu_generation_and_thread_count(monkeypatch):
     cpu_id = _tuning._cpu_id()
     if cpu_id:  # Linux: family, model and stepping numbers
         assert f"-{cpu_id}-" in slug and cpu_id[0] == "f" and "m" in cpu_id and "s" in cpu_id
+
+
+# --- found by mutation testing: versions, digests, keys, places, timing, saving
+
+
+def _save_as(root, entries: dict, *, device=None, bounds=BOUNDS, space=SPACE, **run) -> str:
+    """:func:`_save` with the device, size buckets and space given."""
+    info = device or _tuning.device_info("cpu")
+    return str(autotune.save(entries, device=info, bounds=bounds, space=space, run={"timestamp": "t", **run},
+                             root=root))
+
+
+def _params_and_warnings(numel=500):
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        p = _tuning.params("flatten", "numba", F32, F32, numel)
+    return p, [str(x.message) for x in w if issubclass(x.category, TuningWarning)]
+
+
+# ---------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("lib", ["numba", "triton", "fastpar"])
+def test_file_from_another_numba_or_triton_version_is_ignored(results, lib):
+    # every recorded version is compared, not only some of them.
+    path = _save_as(results, {_key(0): _entry(0, 4096)})
+    _rewrite(path, lambda d: d["versions"].__setitem__(lib, "0.0.1"), redigest=True)
+    p, tw = _params_and_warnings()
+    assert p == {}
+    assert len(tw) == 1 and f"tuned with {lib} 0.0.1" in tw[0], tw
+    assert _tuning.status("cpu")["state"] == "foreign version"
+
+
+def test_another_machines_file_with_its_slug_edited_by_hand_is_refused(results):
+    # the device block is covered by the digest: a file tuned on another machine,
+    # copied here and renamed (slug edited), must not be applied.
+    other = dict(_tuning.device_info("cpu"), slug="cpu-some-other-machine-64t", name="Other CPU")
+    src = _save_as(results, {_key(0): _entry(0, 4096)}, device=other)
+    doc = json.loads(open(src).read())
+    doc["device"]["slug"] = SLUG
+    (results / "autotune" / f"{SLUG}.json").write_text(json.dumps(doc))
+    p, tw = _params_and_warnings()
+    assert p == {}, "another machine's winners were applied here"
+    assert len(tw) == 1 and "edited by hand" in tw[0], tw
+
+
+def test_entry_with_bucket_outside_the_size_buckets_is_refused(results):
+    path = _save_as(results, {_key(0): _entry(0, 4096)})
+    doc = json.loads(open(path).read())
+    e = doc["entries"].pop(_key(0))
+    e["bucket"] = 7
+    doc["entries"][_key(7)] = e
+    doc["digest"] = _tuning.digest(doc)
+    with pytest.raises(TuningFileError, match=r"\.bucket: expected an integer in \[0, 2\], got 7"):
+        _tuning.validate_results(doc, slug=SLUG)
+
+
+def test_entry_filed_under_another_key_is_refused(results):
+    # the key must say what the entry holds (bucket 0 filed under b1).
+    path = _save_as(results, {_key(0): _entry(0, 4096)})
+    doc = json.loads(open(path).read())
+    doc["entries"][_key(1)] = doc["entries"].pop(_key(0))
+    doc["digest"] = _tuning.digest(doc)
+    with pytest.raises(TuningFileError, match=r": key: expected 'flatten/numba/float32->float32/b0'"):
+        _tuning.validate_results(doc, slug=SLUG)
+
+
+# ---------------------------------------------------------------- places
+
+
+def test_results_dir_env_expands_the_home_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("FASTPAR_RESULTS_DIR", "~/fp-results")
+    assert _tuning.results_dir() == tmp_path / "fp-results"
+
+
+def test_results_dir_outside_a_checkout_is_the_user_cache(monkeypatch, tmp_path):
+    # an installed package (no results/ + pyproject.toml beside it) uses
+    # $XDG_CACHE_HOME/fastpar, else ~/.cache/fastpar.
+    monkeypatch.delenv("FASTPAR_RESULTS_DIR", raising=False)
+    monkeypatch.setattr(_tuning, "__file__", str(tmp_path / "site-packages" / "fastpar" / "_tuning.py"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert _tuning.results_dir() == tmp_path / "xdg" / "fastpar"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert _tuning.results_dir() == tmp_path / "home" / ".cache" / "fastpar"
+
+
+# ---------------------------------------------------------------- timing
+
+
+def test_stats_report_the_median_not_the_mean():
+    s = autotune._stats([1.0, 1.0, 1.0, 1.0, 100.0])  # one descheduled round
+    assert s["median_s"] == 1.0 and s["min_s"] == 1.0 and s["reps"] == 5
+
+
+def test_time_cpu_rotates_which_variant_runs_first():
+    order = []
+    variants = [(lambda: None, [lambda i=i: order.append(i)]) for i in range(3)]
+    autotune.time_cpu(variants, budget_s=0.0, min_rounds=3, max_rounds=3, warmup=0)
+    assert order == [0, 1, 2, 1, 2, 0, 2, 0, 1]
+
+
+def _cand(params, times):
+    return {"params": params, **autotune._stats(times)}
+
+
+def test_pick_needs_clearly_more_than_half_the_rounds():
+    # A 2x faster median but faster in only 16 of 30 rounds (needs 16 >= 15 + sqrt(30)).
+    d = {"chunk": 65536}
+    best = [1.0] * 16 + [3.0] * 14
+    w = autotune._pick([_cand(d, [2.0] * 30), _cand({"chunk": 4096}, best)], d, 0.03)
+    assert w["params"] == d and "faster in only 16 of 30 rounds" in w["reason"], w
+    assert w["rounds_won"] == "16/30"
+
+
+def test_tune_uses_the_spaces_min_gain(monkeypatch, tmp_path):
+    class Seen(Exception):
+        pass
+
+    def spy(job, device, *, quick, min_gain, bar):
+        raise Seen(min_gain)
+
+    space = json.loads(_tuning.SPACE_PATH.read_text())
+    space["min_gain"] = 0.25
+    p = tmp_path / "space.json"
+    p.write_text(json.dumps(space))
+    monkeypatch.setattr(autotune, "_tune_one", spy)
+    with pytest.raises(Seen) as e:
+        autotune.tune(["flatten"], quick=True, space=p, devices=["cpu"], root=tmp_path, progress=False)
+    assert e.value.args[0] == 0.25
+
+
+# ---------------------------------------------------------------- saving
+
+
+def test_run_log_keeps_the_newest_runs(results):
+    n = autotune.MAX_RUNS + 3
+    for i in range(n):
+        path = _save_as(results, {_key(0): _entry(0, 4096)}, i=i)
+    runs = json.loads(open(path).read())["runs"]
+    assert len(runs) == autotune.MAX_RUNS
+    assert [r["i"] for r in runs] == list(range(3, n)), "the newest runs must be kept, the oldest dropped"
+
+
+def test_file_with_other_size_buckets_is_superseded(results):
+    path = _save_as(results, {_key(1): _entry(1, 4096)})
+    _save_as(results, {_key(0): _entry(0, 16384)}, bounds=[1000, 2000000])
+    doc = json.loads(open(path).read())
+    # Bucket 1 meant 65537..1048576 elements before; it is another range now.
+    assert list(doc["entries"]) == [_key(0)] and doc["size_buckets"] == [1000, 2000000]
+    assert json.loads(open(path + ".prev").read())["size_buckets"] == BOUNDS
+
+
+def test_retuning_a_key_replaces_its_winner(results):
+    _save_as(results, {_key(0): _entry(0, 4096)})
+    path = _save_as(results, {_key(0): _entry(0, 16384)})
+    doc = json.loads(open(path).read())
+    assert doc["entries"][_key(0)]["winner"]["params"]["chunk"] == 16384
+    assert _tuning.params("flatten", "numba", F32, F32, 500)["chunk"] == 16384
+
+
+def test_old_entries_outside_a_narrower_space_are_dropped_not_fatal(results):
+    _save_as(results, {_key(0): _entry(0, 4096)})
+    narrow = {"flatten": {"numba": {"params": {"chunk": {"values": [16384], "min": 1}}}}}
+    e1 = _entry(1, 16384)
+    e1["winner"]["params"] = {"chunk": 16384}
+    path = _save_as(results, {_key(1): e1}, space=narrow)
+    doc = json.loads(open(path).read())
+    assert list(doc["entries"]) == [_key(1)]

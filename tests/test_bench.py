@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from fastpar import _tuning, autotune, bench
 
@@ -117,3 +118,33 @@ def test_bench_cli_rejects_bad_devices(arg, match, tmp_path, capsys):
     assert bench.main(p.parse_args(["--devices", arg, "--results-dir", str(tmp_path)])) == 2
     assert re.search(match, capsys.readouterr().err)
     assert not (tmp_path / "bench").exists()
+
+
+def _stats(median):
+    return {"median_s": median, "q25_s": median, "q75_s": median, "min_s": median, "reps": 5}
+
+
+@pytest.fixture
+def row(monkeypatch):
+    medians = {"fastpar": 1e-3, "fastpar untuned": 2e-3, "torch": 3e-3, "copy_": 5e-4}
+    monkeypatch.setattr(bench, "_measure", lambda device, providers, sizes: {k: _stats(medians[k]) for k in providers})
+    monkeypatch.setattr(bench, "_untuned_differs", lambda case, device, numel: {"chunk": 4096})
+    case = bench.Case("flatten", "fp32", lambda ts: bench.Setup(lambda: None, lambda: None, 51200),
+                      ("flatten", torch.float32, torch.float32), "x")
+    rows = bench.run_device(torch.device("cpu"), "tiny", cases=[case], only=["tiny"], progress=False)
+    assert len(rows) == 1
+    return rows[0]
+
+
+def test_row_ratio_gain_and_ceiling_are_the_right_way_up(row):
+    n = row["numel"]  # tiny: 100 tensors of 64 floats
+    assert n == 6400
+    assert row["fastpar_gbps"] == pytest.approx(51200 / 1e-3 / 1e9, rel=1e-3)
+    assert row["torch_gbps"] == pytest.approx(51200 / 3e-3 / 1e9, rel=1e-3)
+    assert row["ratio"] == pytest.approx(3.0)          # torch median / fastpar median: >1 = fastpar faster
+    assert row["tuned_gain"] == pytest.approx(2.0)     # untuned median / tuned median: >1 = tuning helped
+    assert row["untuned_gbps"] == pytest.approx(51200 / 2e-3 / 1e9, rel=1e-3)
+    # copy_ reads and writes n fp32 elements: 8 n bytes per call.
+    assert row["copy_gbps"] == pytest.approx(8 * n / 5e-4 / 1e9, rel=1e-3)
+    assert row["of_copy"] == pytest.approx(row["fastpar_gbps"] / row["copy_gbps"], rel=1e-3)
+    assert row["of_copy"] == pytest.approx(0.5, rel=1e-3)  # half the copy_ ceiling

@@ -54,3 +54,27 @@ def test_info_reports_a_bad_backend_instead_of_failing():
                        env={**os.environ, "FASTPAR_BACKEND": "bogus"}, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "backend=none (FASTPAR_BACKEND must be one of auto, triton, numba, torch; got 'bogus')" in r.stdout
+
+
+def test_the_minimum_itself_is_allowed(monkeypatch):
+    monkeypatch.setenv("FASTPAR_X", "0")
+    assert _env.number("FASTPAR_X", 3) == 0
+    monkeypatch.setenv("FASTPAR_X", "2")
+    assert _env.number("FASTPAR_X", 3, minimum=2) == 2
+    monkeypatch.setenv("FASTPAR_X", "1")
+    with pytest.raises(ValueError, match="at least 2"):
+        _env.number("FASTPAR_X", 3, minimum=2)
+
+
+@pytest.mark.parametrize("raw, want", [(" on ", True), ("yes\n", True), ("\tOFF ", False), ("   ", None)])
+def test_flag_ignores_surrounding_blanks(monkeypatch, raw, want):
+    monkeypatch.setenv("FASTPAR_X", raw)
+    default = object()
+    assert _env.flag("FASTPAR_X", default) is (default if want is None else want)
+
+
+def test_text_strips_and_blank_means_default(monkeypatch):
+    monkeypatch.setenv("FASTPAR_X", "   ")
+    assert _env.text("FASTPAR_X", "auto") == "auto"
+    monkeypatch.setenv("FASTPAR_X", " numba\n")
+    assert _env.text("FASTPAR_X", "auto") == "numba"

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from fastpar import _tuning
-from fastpar.__main__ import main
+from fastpar.__main__ import main, writable_or_exit
 
 
 @pytest.fixture(autouse=True)
@@ -81,3 +81,29 @@ def test_ctrl_c_exits_130_with_one_line(capsys, monkeypatch, tmp_path):
     assert main(["bench", "--results-dir", str(tmp_path), "--no-progress", "--quick"]) == 130
     err = capsys.readouterr().err
     assert "python -m fastpar bench: interrupted" in err and "Traceback" not in err
+
+
+def test_autotune_exits_1_when_a_device_was_not_saved(capsys, monkeypatch, tmp_path):
+    import fastpar.autotune
+
+    slug = _tuning.device_info("cpu")["slug"]
+    monkeypatch.setattr(fastpar.autotune, "tune", lambda *a, **k: {
+        slug: {"path": None, "entries": {}, "error": "cannot write the tuned results (PermissionError)"}})
+    assert main(["autotune", "--results-dir", str(tmp_path), "--no-progress", "--quick"]) == 1
+    out = capsys.readouterr().out
+    assert f"{slug}: NOT saved: cannot write" in out, out
+
+
+def test_autotune_exits_0_when_every_device_was_saved(capsys, monkeypatch, tmp_path):
+    import fastpar.autotune
+
+    slug = _tuning.device_info("cpu")["slug"]
+    monkeypatch.setattr(fastpar.autotune, "tune", lambda *a, **k: {
+        slug: {"path": tmp_path / "autotune" / f"{slug}.json", "entries": {}, "error": None}})
+    assert main(["autotune", "--results-dir", str(tmp_path), "--no-progress", "--quick"]) == 0
+
+
+def test_write_check_leaves_no_folders_behind(tmp_path):
+    target = tmp_path / "a" / "b" / "bench"
+    assert writable_or_exit(target) is None
+    assert list(tmp_path.iterdir()) == [], "the write check must not leave empty folders behind"
