@@ -55,6 +55,23 @@ def _dropped(result):
     return None
 
 
+@pytest.mark.parametrize("k", [2, 4])
+def test_replicate_interleaved(benchmark, model, k):
+    """The group above with the providers alternated round by round
+    (``conftest.interleaved``): torch's time is mostly page faults on its fresh buffers,
+    which moved its median 51-74 ms (Transformer, K=2) between sequential runs on one VM."""
+    name, net = model
+    benchmark.group = f"replicate K={k}: {name}, interleaved"
+    nbytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    with torch_algorithm() as rep:
+        steps = {"fastpar": lambda: _dropped(fastpar.replicate(net, ["cpu"] * k)),
+                 "torch": lambda: _dropped(rep(net, k))}
+        interleaved(benchmark, steps, rounds=8, nbytes=dict.fromkeys(steps, nbytes * k))
+    reps = fastpar.replicate(net, ["cpu"] * k)
+    for (n, p), q in zip(net.named_parameters(), reps[-1].parameters()):
+        assert torch.equal(p, q), f"the benchmarked replicate copies {n} wrongly"
+
+
 class _Head(nn.Module):
     def __init__(self, body):
         super().__init__()
