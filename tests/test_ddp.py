@@ -744,16 +744,22 @@ def _fake_all_reduce(tensor, group=None, async_op=False):
     return Work()
 
 
-@pytest.mark.parametrize("n", [2, 3, 4, 6, 8, 12])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("be", ["numba", "triton", "torch"])
-def test_allreduce_scaling_is_torch_division_for_any_world_size(monkeypatch, n, dtype, be):
-    # torch's allreduce_hook divides; for world sizes that are not powers of two a
-    # multiplication by 1/n would differ in the last bit, so fastpar's must divide too.
+@pytest.fixture
+def fake_collectives(monkeypatch):
+    """Hooks called directly on fake groups: all-reduces return this rank's share, every
+    group is gloo, and nothing counts as checked yet."""
     monkeypatch.setattr(dist, "all_reduce", _fake_all_reduce)
     monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "gloo")
     monkeypatch.setattr(fddp, "_group_of", lambda state, name="state": state)
-    monkeypatch.setattr(fddp, "_checked", weakref.WeakKeyDictionary())  # start from nothing checked
+    monkeypatch.setattr(fddp, "_checked", weakref.WeakKeyDictionary())
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 6, 8, 12])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("be", ["numba", "triton", "torch"])
+def test_allreduce_scaling_is_torch_division_for_any_world_size(fake_collectives, n, dtype, be):
+    # torch's allreduce_hook divides; for world sizes that are not powers of two a
+    # multiplication by 1/n would differ in the last bit, so fastpar's must divide too.
     x = (torch.randn(70001, generator=torch.Generator().manual_seed(n)) * 3).to(dtype)
     mine, theirs = x.clone(), x.clone()
     with fastpar.use_backend(be):
@@ -766,13 +772,9 @@ def test_allreduce_scaling_is_torch_division_for_any_world_size(monkeypatch, n, 
 
 @pytest.mark.parametrize("wire", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("n", [2, 3, 8])
-def test_compress_hook_single_rank_share(monkeypatch, wire, n):
+def test_compress_hook_single_rank_share(fake_collectives, wire, n):
     # With a fake all-reduce the hook's result is one rank's share, scaled and cast once
     # and cast back: x * (1/n) rounded to the wire dtype from float32.
-    monkeypatch.setattr(dist, "all_reduce", _fake_all_reduce)
-    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "gloo")
-    monkeypatch.setattr(fddp, "_group_of", lambda state, name="state": state)
-    monkeypatch.setattr(fddp, "_checked", weakref.WeakKeyDictionary())
     x = torch.randn(70001, generator=torch.Generator().manual_seed(n)) * 3
     buf = x.clone()
     with fastpar.count_launches() as launches:
@@ -910,13 +912,9 @@ def test_scale_rejects_other_dtypes():
 @pytest.mark.parametrize("numel", SCALE_SIZES)
 @pytest.mark.parametrize("n", [2, 3, 4, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
-def test_allreduce_hook_is_one_bitwise_pass(monkeypatch, numel, n, dtype):
+def test_allreduce_hook_is_one_bitwise_pass(fake_collectives, numel, n, dtype):
     # Every bucket size, specials included: torch's hook and fastpar's leave the same
     # bits, and fastpar's took exactly one Numba pass (none for an empty bucket).
-    monkeypatch.setattr(dist, "all_reduce", _fake_all_reduce)
-    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "gloo")
-    monkeypatch.setattr(fddp, "_group_of", lambda state, name="state": state)
-    monkeypatch.setattr(fddp, "_checked", weakref.WeakKeyDictionary())
     x = (torch.randn(numel, generator=torch.Generator().manual_seed(numel + n)) * 3).to(dtype)
     if numel >= 10:
         x[:10] = _specials(dtype)
@@ -1101,14 +1099,6 @@ def test_hooks_take_torch_hooks_argument_names():
 
 
 # --- found by mutation testing: hook checks, bucket cache, register
-
-
-@pytest.fixture
-def fake_collectives(monkeypatch):
-    monkeypatch.setattr(dist, "all_reduce", _fake_all_reduce)
-    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "gloo")
-    monkeypatch.setattr(fddp, "_group_of", lambda state, name="state": state)
-    monkeypatch.setattr(fddp, "_checked", weakref.WeakKeyDictionary())
 
 
 def test_first_call_check_is_per_hook(one_rank, monkeypatch):
