@@ -502,6 +502,13 @@ def _refuse_constant(name: str):
     raise ValueError(f"{name} is not a JSON value")
 
 
+def parse_json(text: str):
+    """``text`` parsed as JSON as tuned files are written: NaN and Infinity, which
+    Python's json reads, raise ValueError (the digest's ``json.dumps(allow_nan=False)``
+    would otherwise raise on them later, from every op)."""
+    return json.loads(text, parse_constant=_refuse_constant)
+
+
 def _load(slug: str, path: Path) -> _Table | None:
     """Read and validate ``path`` once; on any problem warn once and return None."""
     problem = None
@@ -513,9 +520,7 @@ def _load(slug: str, path: Path) -> _Table | None:
         problem = ("invalid", f"cannot read {path} ({type(e).__name__}: {e})")
     if problem is None:
         try:
-            # NaN and Infinity are not JSON (Python's json accepts them; the digest's
-            # json.dumps(allow_nan=False) would then raise on every op).
-            doc = json.loads(text, parse_constant=_refuse_constant)
+            doc = parse_json(text)
         except ValueError as e:
             problem = ("invalid", f"ignoring {path}: not valid JSON ({e})")
         else:

@@ -598,7 +598,7 @@ def save(entries: dict, *, device: dict, bounds: list, space: dict, run: dict, r
         if path.exists():
             text = path.read_bytes()  # kept aside byte for byte, whatever it holds
             try:
-                old = json.loads(text.decode("utf-8"), parse_constant=_tuning._refuse_constant)
+                old = _tuning.parse_json(text.decode("utf-8"))
                 _tuning.validate_results(old, slug=device["slug"])
             except ValueError as e:  # UnicodeDecodeError and TuningFileError among them
                 aside, old = (".rejected", text), None
