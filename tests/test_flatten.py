@@ -756,7 +756,33 @@ def test_bad_backend_name(monkeypatch):
         fastpar.flatten([torch.randn(2)])
 
 
-def test_fast_plan_check_matches_python():
+@pytest.fixture(params=["serial", "parallel"])
+def plan_check(request, monkeypatch):
+    """Each compiled plan re-check in turn: the serial one, and the thread-pool one that
+    lists of ``PARALLEL_CHECK_MIN_TENSORS`` or more take (here forced for short lists).
+    Yields the list of check kinds that ran; the test's checks must all be this kind."""
+    from fastpar import _fastcheck
+    from fastpar.kernels.ops_numba import _common
+
+    check = _fastcheck._checker()
+    if check is None or not hasattr(check, "meta_kernels"):
+        pytest.fail("the compiled metadata check is not calibrated on this torch")
+    if request.param == "parallel":
+        if not _common.parallel_ok():
+            pytest.skip("no parallel region can start here (one torch thread, or a forked child)")
+        monkeypatch.setattr(_fastcheck, "PARALLEL_CHECK_MIN_TENSORS", 1)
+    ran = []
+    for kind, kernel in list(check.meta_kernels.items()):
+        def spy(*args, _kernel=kernel, _kind=kind):
+            ran.append(_kind)
+            return _kernel(*args)
+        monkeypatch.setitem(check.meta_kernels, kind, spy)
+    yield ran
+    assert ran, "no compiled re-check ran"
+    assert set(ran) == {request.param}, f"expected only the {request.param} check, ran {sorted(set(ran))}"
+
+
+def test_fast_plan_check_matches_python(plan_check):
     from fastpar import _fastcheck
     from fastpar._plan import plan_for
 
@@ -779,7 +805,7 @@ def test_fast_plan_check_matches_python():
 @pytest.mark.parametrize(
     "change", ["t_", "resize_", "as_strided_", "data_view", "requires_grad", "grow", "set_storage", "offset"]
 )
-def test_plan_cache_sees_in_place_metadata_changes(change):
+def test_plan_cache_sees_in_place_metadata_changes(change, plan_check):
     a = torch.arange(6.0).view(2, 3).clone()
     b = torch.arange(6.0, 11.0)[:4]  # one spare element in its storage
     ts = [a, b]
@@ -809,7 +835,65 @@ def test_plan_cache_sees_in_place_metadata_changes(change):
         assert torch.equal(torch.cat([t.reshape(-1) for t in ts]), flat), change
 
 
-def test_plan_cache_sees_swapped_strides_with_same_sizes(backend):
+@pytest.mark.parametrize("where", [0, 5000, 9999, 10000])
+def test_long_list_plan_check_sees_a_change_anywhere(where):
+    """A list long enough for the thread-pool check (10,001 tensors: not a multiple of
+    its parts) still notices one tensor transposed in place, wherever it sits, and the
+    result follows the new layout."""
+    from fastpar import _fastcheck
+    from fastpar.kernels.ops_numba import _common
+
+    n = 10_001
+    assert n >= _fastcheck.PARALLEL_CHECK_MIN_TENSORS
+    ts = [torch.randn(3, 3) for _ in range(n)]
+    out = poison_(torch.empty(9 * n))
+    fastpar.flatten(ts, out=out)  # plan cached
+    ran = []
+    check = _fastcheck._checker()
+    kernels = check.meta_kernels
+    real = dict(kernels)
+    try:
+        for kind in real:
+            kernels[kind] = lambda *a, _k=kind: (ran.append(_k), real[_k](*a))[1]
+        assert fastpar.flatten(ts, out=poison_(out)) is out  # unchanged: the cached plan
+        assert torch.equal(out, torch.cat([t.reshape(-1) for t in ts]))
+        ts[where].t_()
+        fastpar.flatten(ts, out=poison_(out))
+    finally:
+        kernels.update(real)
+    assert torch.equal(out, torch.cat([t.reshape(-1) for t in ts])), f"tensor {where} copied in its old layout"
+    expected = "parallel" if _common.parallel_ok() else "serial"
+    assert ran and set(ran) == {expected}, ran
+
+
+def test_long_list_plan_check_does_not_wait_for_a_busy_pool():
+    """While a kernel holds the thread pool (``PARALLEL_LOCK``), a long list is checked
+    on the calling thread instead of waiting: here this very thread holds the lock, so
+    waiting would never end."""
+    import threading
+
+    from fastpar import _tuning
+    from fastpar.kernels.ops_numba import _common
+
+    ts = [torch.randn(4) for _ in range(10_000)]
+    out = torch.empty(40_000)
+    fastpar.flatten(ts, out=out)
+    result = {}
+
+    def body():
+        # The default launch parameters: this 480 KB copy then runs serially, needing no
+        # lock (a tuned file could put it on the pool, and the copy would then wait).
+        with _common.PARALLEL_LOCK, _tuning.forced({}):
+            result["out"] = fastpar.flatten(ts, dtype=torch.float64)
+
+    worker = threading.Thread(target=body, daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "flatten waited for the thread pool its own thread holds"
+    assert torch.equal(result["out"], torch.cat(ts).double())
+
+
+def test_plan_cache_sees_swapped_strides_with_same_sizes(backend, plan_check):
     """A square matrix transposed in place keeps its sizes, numel and data pointer; only
     the strides tell the cached plan that it is no longer contiguous."""
     a = torch.arange(9.0).view(3, 3).clone()
@@ -880,7 +964,7 @@ def test_bf16_nan_with_low_payload_stays_nan(backend):
 
 
 @pytest.mark.parametrize("bit", ["conj", "neg"])
-def test_plan_cache_sees_a_lazy_bit_set_in_place(bit):
+def test_plan_cache_sees_a_lazy_bit_set_in_place(bit, plan_check):
     """``a.data = a.conj()`` keeps the object, TensorImpl, storage, sizes and strides and
     sets only the conjugate bit: a cached plan must not read or write the raw bits.
     (Copies are exact: compared with ``torch.equal``, which also sees imaginary parts.)"""
