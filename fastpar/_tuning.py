@@ -286,7 +286,10 @@ def load_space(path: str | os.PathLike | None = None) -> dict:
     ``fastpar/tuning_space.json``). Raises :class:`TuningFileError` naming the field."""
     path = Path(path) if path is not None else SPACE_PATH
     try:
-        doc = json.loads(path.read_text())
+        # Strict, as tuned files are read: a NaN would reach the tuned file's digest
+        # (parts of the space are saved with the results) and fail only at the end of
+        # a run. (UnicodeDecodeError is a ValueError.)
+        doc = parse_json(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise TuningFileError(f"search space {path}: cannot read it as JSON ({type(e).__name__}: {e})") from e
     validate_space(doc, str(path), floors=path.resolve() != SPACE_PATH.resolve())

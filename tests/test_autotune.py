@@ -488,6 +488,23 @@ def test_space_below_the_packaged_floor_is_refused(tmp_path):
         _tuning.load_space(p)
 
 
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_space_with_a_non_json_constant_is_refused_when_read(tmp_path, constant):
+    """Python's json reads NaN and Infinity; a space holding one (here in a parameter's
+    note, which validation does not look at) used to pass, and the run it drove failed
+    only when saving (the tuned file's digest refuses them)."""
+    text = _tuning.SPACE_PATH.read_text(encoding="utf-8")
+    space = json.loads(text)
+    space["ops"]["flatten"]["backends"]["numba"]["params"]["chunk"]["note"] = float("nan")
+    p = tmp_path / "space.json"
+    p.write_text(json.dumps(space).replace("NaN", constant))
+    with pytest.raises(TuningFileError, match=rf"cannot read it as JSON \(ValueError: {constant} is not a JSON value"):
+        _tuning.load_space(p)
+    p.write_bytes(b"\xff\xfe" + text.encode("utf-16-le"))  # not UTF-8
+    with pytest.raises(TuningFileError, match=r"cannot read it as JSON \(UnicodeDecodeError"):
+        _tuning.load_space(p)
+
+
 def test_packaged_space_searches_no_parallel_threshold_below_the_default():
     from fastpar.kernels.ops_numba import flatten as nf, reduce_add as nr
 
