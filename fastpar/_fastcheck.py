@@ -7,8 +7,9 @@ shrinking ``resize_()``, ``as_strided_()``, ``p.data = p.data[:n]``), which woul
 otherwise make a stale plan copy the wrong elements. One Numba pass over the list's
 items does it all, about 7 ns a tensor when their metadata is in cache (35 ns when it
 is not; lists of ``PARALLEL_CHECK_MIN_TENSORS`` or more are split across the thread
-pool), reading each tensor's ``TensorImpl`` fields (ndim, inline sizes and strides,
-numel, dtype, storage, storage offset and dispatch key set, whose conj/neg bits
+pool where a parallel region may start and no kernel holds it), reading each tensor's
+``TensorImpl`` fields (ndim, inline sizes and strides, numel, dtype, storage, storage
+offset and dispatch key set, whose conj/neg bits
 ``a.data = a.conj()`` flips in place) and its ``StorageImpl``'s data pointer at
 offsets found by calibrating against probe tensors at first use and verified by mutating
 them; where that calibration fails, or a tensor has more than 5 dimensions (sizes out
@@ -34,6 +35,7 @@ import ctypes
 import operator
 import sys
 import sysconfig
+import warnings
 
 import numba
 import numpy as np
@@ -50,8 +52,11 @@ _OB_ITEM_OFFSET = 24  # PyListObject: ob_refcnt, ob_type, ob_size, then ob_item
 #: microseconds, and on a loaded machine can wait for a descheduled worker, so only long
 #: lists (80+ us of checking) take the pool.
 PARALLEL_CHECK_MIN_TENSORS = 8192
-#: Parts a parallel check splits the list into (the pool takes them in turn).
+#: Parts a parallel check splits the list into (Numba's static schedule hands each
+#: thread a contiguous run of them).
 _CHECK_PARTS = 64
+#: False once the parallel check failed to run (a threading layer that cannot load).
+_parallel_check_usable = True
 
 
 def _python_check(tensors: list, impls: np.ndarray, ptrs: list, cached: tuple) -> bool:
@@ -438,16 +443,42 @@ def _make_numba_check():
 
         def check_meta(tensors: list, ids, impls, meta) -> bool:
             n = len(tensors)
-            # Parallel only where it pays (a region costs microseconds to start), where
-            # a region may start (parallel_ok: not in a forked child, torch not on one
-            # thread) and where no kernel holds the pool: never wait for it here.
-            lock = numba_common.PARALLEL_LOCK
-            if n >= PARALLEL_CHECK_MIN_TENSORS and numba_common.parallel_ok() and lock.acquire(blocking=False):
-                try:
-                    return kernels["parallel"](id(tensors), n, ids, impls, meta, proto)
-                finally:
-                    lock.release()
+            # Parallel only where it pays (a region costs microseconds to start) and
+            # where a region may start (parallel_ok: not in a forked child, torch not on
+            # one thread); otherwise, or when the pool is busy, on this thread.
+            if n >= PARALLEL_CHECK_MIN_TENSORS and _parallel_check_usable and numba_common.parallel_ok():
+                same = _check_on_pool((id(tensors), n, ids, impls, meta, proto))
+                if same is not None:
+                    return same
             return kernels["serial"](id(tensors), n, ids, impls, meta, proto)
+
+        def _check_on_pool(args):
+            """The parallel check's answer; None if the pool is busy (a kernel holds
+            ``PARALLEL_LOCK``: never wait for it here) or the check cannot run at all."""
+            global _parallel_check_usable
+            kernel = kernels["parallel"]
+            try:
+                if not getattr(kernel, "signatures", True):
+                    # Compiled once (about a second) before taking the pool, so that other
+                    # threads' kernels do not wait for the compiler.
+                    kernel.compile(tuple(numba.typeof(a) for a in args))
+                if not numba_common.PARALLEL_LOCK.acquire(blocking=False):
+                    return None
+                try:
+                    return kernel(*args)
+                finally:
+                    numba_common.PARALLEL_LOCK.release()
+            except Exception as e:
+                # A parallel region that cannot start, e.g. NUMBA_THREADING_LAYER naming a
+                # layer that is not installed ("No threading layer could be loaded"): the
+                # serial check gives the same answer.
+                _parallel_check_usable = False
+                warnings.warn(
+                    f"fastpar: the parallel plan re-check cannot run here ({type(e).__name__}: {e}); "
+                    "long tensor lists are re-checked on one thread from now on",
+                    RuntimeWarning, stacklevel=2,
+                )
+                return None
 
         # Verify the calibration by mutating metadata in place and reading it back.
         try:

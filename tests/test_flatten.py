@@ -866,18 +866,21 @@ def test_long_list_plan_check_sees_a_change_anywhere(where):
     assert ran and set(ran) == {expected}, ran
 
 
-def test_long_list_plan_check_does_not_wait_for_a_busy_pool():
+def test_long_list_plan_check_does_not_wait_for_a_busy_pool(monkeypatch):
     """While a kernel holds the thread pool (``PARALLEL_LOCK``), a long list is checked
     on the calling thread instead of waiting: here this very thread holds the lock, so
     waiting would never end."""
     import threading
 
-    from fastpar import _tuning
+    from fastpar import _fastcheck, _tuning
     from fastpar.kernels.ops_numba import _common
 
     ts = [torch.randn(4) for _ in range(10_000)]
-    out = torch.empty(40_000)
-    fastpar.flatten(ts, out=out)
+    fastpar.flatten(ts)  # plan cached, and the parallel check compiled where it runs
+    kernels = _fastcheck._checker().meta_kernels
+    ran = []
+    for kind, kernel in list(kernels.items()):
+        monkeypatch.setitem(kernels, kind, lambda *a, _k=kind, _f=kernel: (ran.append(_k), _f(*a))[1])
     result = {}
 
     def body():
@@ -889,8 +892,51 @@ def test_long_list_plan_check_does_not_wait_for_a_busy_pool():
     worker = threading.Thread(target=body, daemon=True)
     worker.start()
     worker.join(timeout=60)
-    assert not worker.is_alive(), "flatten waited for the thread pool its own thread holds"
+    if worker.is_alive():
+        # Let the stuck thread through (a Lock may be released by any thread), so that
+        # the tests after this one can still take the pool.
+        _common.PARALLEL_LOCK.release()
+        worker.join(timeout=60)
+        pytest.fail("flatten waited for the thread pool its own thread holds")
     assert torch.equal(result["out"], torch.cat(ts).double())
+    assert ran == ["serial"], ran
+
+
+def test_parallel_plan_check_that_cannot_run_falls_back_to_the_serial_one(monkeypatch):
+    """A parallel region that cannot start (``NUMBA_THREADING_LAYER`` naming a layer that
+    is not installed raises "No threading layer could be loaded") must not break a call
+    the serial check can answer: one RuntimeWarning, then the serial check for good."""
+    from fastpar import _fastcheck
+    from fastpar.kernels.ops_numba import _common
+
+    if not _common.parallel_ok():
+        pytest.skip("no parallel region can start here (one torch thread, or a forked child)")
+    monkeypatch.setattr(_fastcheck, "_parallel_check_usable", True)
+    kernels = _fastcheck._checker().meta_kernels
+    calls = []
+
+    def broken(*args):
+        calls.append("parallel")
+        raise ValueError("No threading layer could be loaded.")
+
+    monkeypatch.setitem(kernels, "parallel", broken)
+    serial = kernels["serial"]
+    monkeypatch.setitem(kernels, "serial", lambda *a: (calls.append("serial"), serial(*a))[1])
+    ts = [torch.randn(2, 2) for _ in range(_fastcheck.PARALLEL_CHECK_MIN_TENSORS)]
+    fastpar.flatten(ts)
+    ts[-1].t_()
+    with pytest.warns(RuntimeWarning, match=r"parallel plan re-check cannot run here \(ValueError: No threading layer"):
+        got = fastpar.flatten(ts)
+    assert torch.equal(got, torch.cat([t.reshape(-1) for t in ts])), "the transposed tensor was copied as before"
+    assert calls == ["parallel", "serial"], calls
+    assert _fastcheck._parallel_check_usable is False
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fastpar.flatten(ts)
+    assert not caught, [str(w.message) for w in caught]
+    assert calls == ["parallel", "serial", "serial"], calls
 
 
 def test_plan_cache_sees_swapped_strides_with_same_sizes(backend, plan_check):
