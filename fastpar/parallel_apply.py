@@ -29,6 +29,9 @@ def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
         list: each module's output, in order. An exception raised in any replica is
         re-raised here, naming the replica and its device, after every thread has
         finished (no thread is left behind).
+
+    Each thread runs in the caller's grad mode, inference mode, autocast state and
+    context variables (torch's ``parallel_apply`` carries grad mode and autocast only).
     """
     if len(modules) != len(inputs):
         raise ValueError(f"modules and inputs must have the same length, got {len(modules)} and {len(inputs)}")
@@ -57,16 +60,19 @@ def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
     streams = [torch.cuda.current_stream(d) if d.type == "cuda" else None for d in devices]
     lock = threading.Lock()
     results = {}
-    # Grad mode, autocast and context variables (fastpar.use_backend) are thread-local:
-    # carry the caller's into each thread.
+    # Grad mode, inference mode, autocast and context variables (fastpar.use_backend) are
+    # thread-local: carry the caller's into each thread. (torch's parallel_apply does not
+    # carry inference mode: a replica's buffers made under it are inference tensors, and
+    # a train-mode BatchNorm's in-place update of them is then refused in the worker.)
     grad_enabled = torch.is_grad_enabled()
+    inference = torch.is_inference_mode_enabled()
     autocast = {t: (torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in ("cuda", "cpu")}
 
     def _worker(i, module, input, kwargs, device, stream):
         torch.set_grad_enabled(grad_enabled)
         enabled, dtype = autocast[device.type]
         try:
-            with torch.autocast(device.type, enabled=enabled, dtype=dtype):
+            with torch.inference_mode(inference), torch.autocast(device.type, enabled=enabled, dtype=dtype):
                 if device.type == "cuda":
                     with torch.cuda.device(device), torch.cuda.stream(stream):
                         output = module(*_as_tuple(input), **kwargs)

@@ -370,6 +370,29 @@ def test_no_grad_forward_uses_detached_replicas(monkeypatch):
     torch.testing.assert_close(out, want, **TOL)
 
 
+def test_inference_mode_forward_with_a_train_mode_batchnorm():
+    """Under ``torch.inference_mode()`` the replicas' buffers are inference tensors; a
+    train-mode BatchNorm updates them in place, which torch refuses outside inference
+    mode: the replica threads must run in the caller's mode (they did not)."""
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.BatchNorm1d(8).double()
+    ref = copy.deepcopy(model)
+    dp = DataParallel(model, device_ids=["cpu", "cpu"])
+    x = torch.randn(6, 8, dtype=torch.float64)
+    with torch.inference_mode():
+        out = dp(x)
+    assert out.is_inference()
+    # Each replica normalises its own chunk with that chunk's statistics; the module's
+    # running statistics follow replica 0's chunk, as under torch's DataParallel.
+    want = torch.cat([copy.deepcopy(ref)(c) for c in x.chunk(2)])
+    ref(x.chunk(2)[0])
+    torch.testing.assert_close(out, want, **TOL)
+    torch.testing.assert_close(model.running_mean, ref.running_mean, **TOL)
+    assert int(model.num_batches_tracked) == 1
+
+
 def test_failure_in_a_replica_names_it_and_leaves_no_thread():
     class Boom(nn.Module):
         def __init__(self):

@@ -86,6 +86,16 @@ def test_grad_mode_is_carried_into_the_replicas():
     assert all(o.requires_grad for o in outs)
 
 
+def test_inference_mode_is_carried_into_the_replicas():
+    mods = [nn.Linear(2, 2), nn.Linear(2, 2)]
+    xs = [(torch.randn(3, 2),) for _ in mods]
+    with torch.inference_mode():
+        outs = parallel_apply(mods, xs, None, ["cpu", "cpu"])
+    assert all(o.is_inference() for o in outs)
+    outs = parallel_apply(mods, xs, None, ["cpu", "cpu"])
+    assert not any(o.is_inference() for o in outs) and all(o.requires_grad for o in outs)
+
+
 def test_autocast_is_carried_into_the_replicas():
     mods = [nn.Linear(4, 4), nn.Linear(4, 4)]
     xs = [(torch.randn(3, 4),) for _ in mods]
