@@ -26,12 +26,12 @@ def check_conversion(src: torch.dtype, dst: torch.dtype, scale, what: str) -> No
         if src.itemsize not in (1, 2, 4, 8):
             raise TypeError(f"{what}: dtype {src} ({src.itemsize}-byte elements) is not supported")
         return
-    for d in (src, dst):
-        if d not in CAST_DTYPES:
-            raise TypeError(
-                f"{what}: cannot convert {src} to {dst}; conversions and scaling support "
-                f"{', '.join(str(x).replace('torch.', '') for x in CAST_DTYPES)}"
-            )
+    if src not in CAST_DTYPES or dst not in CAST_DTYPES:
+        if src == dst:  # only the scale makes it more than a copy
+            floats = ", ".join(str(x).replace("torch.", "") for x in CAST_DTYPES if x.is_floating_point)
+            raise TypeError(f"{what}: scale is not supported for {src} tensors; it needs one of {floats}")
+        supported = ", ".join(str(x).replace("torch.", "") for x in CAST_DTYPES)
+        raise TypeError(f"{what}: cannot convert {src} to {dst}; conversions and scaling support {supported}")
     if scale is not None and not (src.is_floating_point and dst.is_floating_point):
         raise TypeError(
             f"{what}: scale needs floating-point tensors, got {src} -> {dst}"

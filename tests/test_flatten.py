@@ -381,6 +381,9 @@ def test_version_counters_bumped():
         ([torch.randn(2)], {"scale": torch.tensor(True)}, TypeError, r"got a tensor of shape \(\) and dtype torch.bool"),
         ([torch.randint(0, 3, (2,))], {"scale": 2.0}, TypeError, "scale needs floating-point"),
         ([torch.randn(2)], {"dtype": torch.complex64}, TypeError, "cannot convert"),
+        ([torch.randn(2, dtype=torch.complex64)], {"scale": 2.0}, TypeError,
+         r"flatten: scale is not supported for torch.complex64 tensors; it needs one of float32, float64, "
+         r"float16, bfloat16$"),
     ],
 )
 def test_flatten_bad_input(tensors, kwargs, exc, match):
