@@ -616,6 +616,11 @@ def flatten_parameters(module) -> torch.Tensor:
 
     Every check runs before anything is written or rebound: a rejected call leaves the
     module as it was.
+
+    The rebinding is an in-place change of each weight: a graph built through the
+    weights before the call can no longer be backpropagated (autograd raises "modified
+    by an inplace operation"), so flatten before the forward. ``copy.deepcopy`` of a
+    flat module copies each weight on its own; flatten the copy again.
     """
     return _flatten_checked(module, *_flatten_checks(module))
 
