@@ -136,9 +136,12 @@ class Gather(Function):
                 stacklevel=2,
             )
             inputs = tuple(t.view(1) for t in inputs)
-        ctx.input_sizes = [t.size(dim) for t in inputs]
         with transient_tensors():  # a step's outputs: don't keep their plans
-            return comm.gather(list(inputs), dim, target_device)
+            out = comm.gather(list(inputs), dim, target_device)
+        # (After comm.gather, whose checks name what mismatches: a 0-dim input among
+        # others has no size along dim.)
+        ctx.input_sizes = [t.size(dim) for t in inputs]
+        return out
 
     @staticmethod
     def backward(ctx, grad_output):

@@ -87,13 +87,31 @@ def gather(outputs, target_device, dim=0):
     def gather_map(outs):
         out = outs[0]
         if isinstance(out, torch.Tensor):
+            _same_kind(outs, torch.Tensor, "a tensor")
             return Gather.apply(dst, dim, *outs)
         if out is None:
             return None
         if isinstance(out, dict):
+            _same_kind(outs, dict, "a dict")
             if not all(len(out) == len(d) for d in outs):
                 raise ValueError("All dicts must have the same number of keys")
+            for i, d in enumerate(outs):
+                if d.keys() != out.keys():
+                    raise ValueError(
+                        f"the replicas returned dicts with different keys: replica 0 {sorted(map(str, out))}, "
+                        f"replica {i} {sorted(map(str, d))}; they must match to be gathered"
+                    )
             return type(out)((k, gather_map([d[k] for d in outs])) for k in out)
+        # torch rebuilds anything else from its items: a Python number fails with a bare
+        # TypeError, and a string comes back as the text of a map object.
+        if isinstance(out, (str, bytes)) or not hasattr(out, "__len__") or not hasattr(out, "__iter__"):
+            raise TypeError(
+                f"cannot gather {type(out).__name__} outputs: replicas must return tensors, None, or dicts, "
+                "lists, tuples or namedtuples of them (return a tensor for a number)"
+            )
+        # (A list where another replica returned a tuple is gathered, as torch does.)
+        seq = (list, tuple) if isinstance(out, (list, tuple)) else type(out)
+        _same_kind(outs, seq, "a list or tuple" if seq == (list, tuple) else f"a {type(out).__name__}")
         # Replicas returning sequences of different lengths is an error (as in torch),
         # not a silently truncated result.
         lengths = [len(o) for o in outs]
@@ -110,3 +128,13 @@ def gather(outputs, target_device, dim=0):
         return gather_map(outputs)
     finally:
         gather_map = None
+
+
+def _same_kind(outs, kind, what: str) -> None:
+    """Raise unless every replica's output at this position is a ``kind``."""
+    for i, o in enumerate(outs):
+        if not isinstance(o, kind):
+            raise TypeError(
+                f"replica 0 returned {what} where replica {i} returned {type(o).__name__}; "
+                "the replicas' outputs must have the same structure to be gathered"
+            )

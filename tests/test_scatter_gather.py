@@ -176,6 +176,49 @@ def test_gather_rejects_dicts_with_different_key_counts():
         gather([{"a": a}, {"a": b, "extra": b}], "cpu")
 
 
+@pytest.mark.parametrize(
+    "outs,exc,match",
+    [
+        ([1.0, 2.0], TypeError, r"cannot gather float outputs: replicas must return tensors, None, or dicts"),
+        (["ab", "cd"], TypeError, r"cannot gather str outputs"),
+        ([{"a": 1}, {"b": 1}], ValueError,
+         r"the replicas returned dicts with different keys: replica 0 \['a'\], replica 1 \['b'\]"),
+        (["T", None], TypeError, r"replica 0 returned a tensor where replica 1 returned NoneType"),
+        ([{"a": "T"}, ["T"]], TypeError, r"replica 0 returned a dict where replica 1 returned list"),
+        ([["T"], {"a": "T"}], TypeError, r"replica 0 returned a list or tuple where replica 1 returned dict"),
+        (["T0", "T1"], ValueError, r"tensors\[1\] \(on cpu\) has shape \(2,\), incompatible with tensors\[0\]"),
+    ],
+    ids=["numbers", "strings", "dict-keys", "tensor-none", "dict-list", "list-dict", "0-dim-and-1-d"],
+)
+def test_gather_names_what_cannot_be_gathered(outs, exc, match):
+    """torch fails these with a bare TypeError/KeyError/IndexError, and gathers strings
+    into the text of a map object."""
+    def tensors(o):
+        if o == "T":
+            return torch.randn(2)
+        if o == "T0":
+            return torch.tensor(1.0)
+        if o == "T1":
+            return torch.randn(2)
+        if isinstance(o, dict):
+            return {k: tensors(v) for k, v in o.items()}
+        if isinstance(o, list):
+            return [tensors(v) for v in o]
+        return o
+
+    with pytest.raises(exc, match=match):
+        gather([tensors(o) for o in outs], "cpu")
+
+
+def test_gather_accepts_a_list_and_a_tuple_at_one_position_as_torch_does():
+    a, b = torch.randn(2), torch.randn(3)
+    Pair = collections.namedtuple("Pair", "x y")
+    out = gather([(a,), [b]], "cpu")
+    assert type(out) is tuple and torch.equal(out[0], torch.cat([a, b]))
+    out = gather([Pair(a, None), (b, None)], "cpu")
+    assert type(out) is Pair and torch.equal(out.x, torch.cat([a, b])) and out.y is None
+
+
 def test_gather_passes_none_through():
     a, b = torch.randn(2, 3), torch.randn(1, 3)
     assert gather([None, None], "cpu") is None
