@@ -2,6 +2,7 @@
 does, for CUDA devices and for ``"cpu"`` replicas in host memory."""
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import threading
 
@@ -72,7 +73,9 @@ def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
         torch.set_grad_enabled(grad_enabled)
         enabled, dtype = autocast[device.type]
         try:
-            with torch.inference_mode(inference), torch.autocast(device.type, enabled=enabled, dtype=dtype):
+            # (Only entered when on: inference_mode(False) turns grad mode on.)
+            mode = torch.inference_mode() if inference else contextlib.nullcontext()
+            with mode, torch.autocast(device.type, enabled=enabled, dtype=dtype):
                 if device.type == "cuda":
                     with torch.cuda.device(device), torch.cuda.stream(stream):
                         output = module(*_as_tuple(input), **kwargs)
