@@ -70,12 +70,14 @@ def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
     autocast = {t: (torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in ("cuda", "cpu")}
 
     def _worker(i, module, input, kwargs, device, stream):
-        torch.set_grad_enabled(grad_enabled)
         enabled, dtype = autocast[device.type]
         try:
             # (Only entered when on: inference_mode(False) turns grad mode on.)
             mode = torch.inference_mode() if inference else contextlib.nullcontext()
             with mode, torch.autocast(device.type, enabled=enabled, dtype=dtype):
+                # Inside the mode, which turns grad mode off: enable_grad() within
+                # inference_mode() keeps grad mode on, as in the caller's thread.
+                torch.set_grad_enabled(grad_enabled)
                 if device.type == "cuda":
                     with torch.cuda.device(device), torch.cuda.stream(stream):
                         output = module(*_as_tuple(input), **kwargs)

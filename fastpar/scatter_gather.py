@@ -3,6 +3,8 @@ across devices, as ``torch.nn.parallel.scatter_gather`` does, on fastpar's Scatt
 Gather autograd functions (which also take ``"cpu"`` replica devices)."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch.nn.parallel.parallel_apply import get_a_var
 
@@ -92,7 +94,7 @@ def gather(outputs, target_device, dim=0):
         if out is None:
             return None
         if isinstance(out, dict):
-            _same_kind(outs, dict, "a dict")
+            _same_kind(outs, Mapping, "a dict")
             if not all(len(out) == len(d) for d in outs):
                 raise ValueError("All dicts must have the same number of keys")
             for i, d in enumerate(outs):
@@ -103,15 +105,29 @@ def gather(outputs, target_device, dim=0):
                     )
             return type(out)((k, gather_map([d[k] for d in outs])) for k in out)
         # torch rebuilds anything else from its items: a Python number fails with a bare
-        # TypeError, and a string comes back as the text of a map object.
-        if isinstance(out, (str, bytes)) or not hasattr(out, "__len__") or not hasattr(out, "__iter__"):
+        # TypeError, and a string comes back as the text of a map object. A string (a
+        # name or tag next to the tensors) that every replica returned alike is passed
+        # through; strings that differ cannot be gathered.
+        if isinstance(out, (str, bytes)):
+            if any(o != out for o in outs):
+                raise TypeError(
+                    f"the replicas returned different {type(out).__name__}s at one position "
+                    f"({[o for o in outs]!r}); only tensors are gathered, and other outputs must be equal"
+                )
+            return out
+        if not hasattr(out, "__len__") or not hasattr(out, "__iter__"):
             raise TypeError(
                 f"cannot gather {type(out).__name__} outputs: replicas must return tensors, None, or dicts, "
                 "lists, tuples or namedtuples of them (return a tensor for a number)"
             )
-        # (A list where another replica returned a tuple is gathered, as torch does.)
-        seq = (list, tuple) if isinstance(out, (list, tuple)) else type(out)
-        _same_kind(outs, seq, "a list or tuple" if seq == (list, tuple) else f"a {type(out).__name__}")
+        # Any sequence is rebuilt from its items, as in torch (a list beside a tuple,
+        # a namedtuple beside a tuple), but not from a tensor, a mapping or a string.
+        for i, o in enumerate(outs):
+            if isinstance(o, (torch.Tensor, Mapping, str, bytes)) or not hasattr(o, "__len__"):
+                raise TypeError(
+                    f"replica 0 returned a {type(out).__name__} where replica {i} returned {type(o).__name__}; "
+                    "the replicas' outputs must have the same structure to be gathered"
+                )
         # Replicas returning sequences of different lengths is an error (as in torch),
         # not a silently truncated result.
         lengths = [len(o) for o in outs]

@@ -96,6 +96,25 @@ def test_inference_mode_is_carried_into_the_replicas():
     assert not any(o.is_inference() for o in outs) and all(o.requires_grad for o in outs)
 
 
+def test_enable_grad_inside_inference_mode_is_carried_into_the_replicas():
+    """Entering inference mode turns grad mode off; the caller's enable_grad() inside it
+    must still hold in the replicas (modules that branch on is_grad_enabled() see it)."""
+    class GradMode(nn.Module):
+        def forward(self, x):
+            return torch.tensor([float(torch.is_grad_enabled()), float(torch.is_inference_mode_enabled())])
+
+    xs = [(torch.randn(1),), (torch.randn(1),)]
+    for outer in (torch.inference_mode, torch.no_grad):
+        with outer(), torch.enable_grad():
+            want = GradMode()(*xs[0]).tolist()
+            got = [o.tolist() for o in parallel_apply([GradMode(), GradMode()], xs, None, ["cpu", "cpu"])]
+        assert got == [want, want], (outer.__name__, got, want)
+    with torch.inference_mode():
+        want = GradMode()(*xs[0]).tolist()
+        got = [o.tolist() for o in parallel_apply([GradMode(), GradMode()], xs, None, ["cpu", "cpu"])]
+    assert got == [want, want] == [[0.0, 1.0]] * 2, got
+
+
 def test_autocast_is_carried_into_the_replicas():
     mods = [nn.Linear(4, 4), nn.Linear(4, 4)]
     xs = [(torch.randn(3, 4),) for _ in mods]

@@ -180,12 +180,12 @@ def test_gather_rejects_dicts_with_different_key_counts():
     "outs,exc,match",
     [
         ([1.0, 2.0], TypeError, r"cannot gather float outputs: replicas must return tensors, None, or dicts"),
-        (["ab", "cd"], TypeError, r"cannot gather str outputs"),
+        (["ab", "cd"], TypeError, r"the replicas returned different strs at one position \(\['ab', 'cd'\]\)"),
         ([{"a": 1}, {"b": 1}], ValueError,
          r"the replicas returned dicts with different keys: replica 0 \['a'\], replica 1 \['b'\]"),
         (["T", None], TypeError, r"replica 0 returned a tensor where replica 1 returned NoneType"),
         ([{"a": "T"}, ["T"]], TypeError, r"replica 0 returned a dict where replica 1 returned list"),
-        ([["T"], {"a": "T"}], TypeError, r"replica 0 returned a list or tuple where replica 1 returned dict"),
+        ([["T"], {"a": "T"}], TypeError, r"replica 0 returned a list where replica 1 returned dict"),
         (["T0", "T1"], ValueError, r"tensors\[1\] \(on cpu\) has shape \(2,\), incompatible with tensors\[0\]"),
     ],
     ids=["numbers", "strings", "dict-keys", "tensor-none", "dict-list", "list-dict", "0-dim-and-1-d"],
@@ -210,13 +210,29 @@ def test_gather_names_what_cannot_be_gathered(outs, exc, match):
         gather([tensors(o) for o in outs], "cpu")
 
 
-def test_gather_accepts_a_list_and_a_tuple_at_one_position_as_torch_does():
+def test_gather_accepts_mixed_sequences_and_mappings_at_one_position_as_torch_does():
+    import types
+    from collections import UserList
+
     a, b = torch.randn(2), torch.randn(3)
     Pair = collections.namedtuple("Pair", "x y")
     out = gather([(a,), [b]], "cpu")
     assert type(out) is tuple and torch.equal(out[0], torch.cat([a, b]))
     out = gather([Pair(a, None), (b, None)], "cpu")
     assert type(out) is Pair and torch.equal(out.x, torch.cat([a, b])) and out.y is None
+    out = gather([UserList([a]), [b]], "cpu")
+    assert type(out) is UserList and torch.equal(out[0], torch.cat([a, b]))
+    out = gather([{"x": a}, types.MappingProxyType({"x": b})], "cpu")
+    assert type(out) is dict and torch.equal(out["x"], torch.cat([a, b]))
+
+
+def test_gather_passes_a_string_every_replica_returned_alike():
+    """torch gathers strings into the text of a map object; a tag next to the tensors
+    that every replica returned alike comes back as it is."""
+    a, b = torch.randn(2), torch.randn(3)
+    out = gather([{"t": a, "name": "x"}, {"t": b, "name": "x"}], "cpu")
+    assert out["name"] == "x" and torch.equal(out["t"], torch.cat([a, b]))
+    assert gather([(a, b"k"), (b, b"k")], "cpu")[1] == b"k"
 
 
 def test_gather_passes_none_through():
