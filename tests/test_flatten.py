@@ -759,6 +759,18 @@ def test_bad_backend_name(monkeypatch):
         fastpar.flatten([torch.randn(2)])
 
 
+def _spy_on_plan_checks(monkeypatch) -> list:
+    """Wrap the compiled plan re-checks (``meta_kernels``) for this test; returns the
+    list each call appends its kind to ("serial" or "parallel")."""
+    from fastpar import _fastcheck
+
+    kernels = _fastcheck._checker().meta_kernels
+    ran = []
+    for kind, kernel in list(kernels.items()):
+        monkeypatch.setitem(kernels, kind, lambda *a, _k=kind, _f=kernel: (ran.append(_k), _f(*a))[1])
+    return ran
+
+
 @pytest.fixture(params=["serial", "parallel"])
 def plan_check(request, monkeypatch):
     """Each compiled plan re-check in turn: the serial one, and the thread-pool one that
@@ -774,12 +786,7 @@ def plan_check(request, monkeypatch):
         if not _common.parallel_ok():
             pytest.skip("no parallel region can start here (one torch thread, or a forked child)")
         monkeypatch.setattr(_fastcheck, "PARALLEL_CHECK_MIN_TENSORS", 1)
-    ran = []
-    for kind, kernel in list(check.meta_kernels.items()):
-        def spy(*args, _kernel=kernel, _kind=kind):
-            ran.append(_kind)
-            return _kernel(*args)
-        monkeypatch.setitem(check.meta_kernels, kind, spy)
+    ran = _spy_on_plan_checks(monkeypatch)
     yield ran
     assert ran, "no compiled re-check ran"
     assert set(ran) == {request.param}, f"expected only the {request.param} check, ran {sorted(set(ran))}"
@@ -839,7 +846,7 @@ def test_plan_cache_sees_in_place_metadata_changes(change, plan_check):
 
 
 @pytest.mark.parametrize("where", [0, 5000, 9999, 10000])
-def test_long_list_plan_check_sees_a_change_anywhere(where):
+def test_long_list_plan_check_sees_a_change_anywhere(where, monkeypatch):
     """A list long enough for the thread-pool check (10,001 tensors: not a multiple of
     its parts) still notices one tensor transposed in place, wherever it sits, and the
     result follows the new layout."""
@@ -851,19 +858,11 @@ def test_long_list_plan_check_sees_a_change_anywhere(where):
     ts = [torch.randn(3, 3) for _ in range(n)]
     out = poison_(torch.empty(9 * n))
     fastpar.flatten(ts, out=out)  # plan cached
-    ran = []
-    check = _fastcheck._checker()
-    kernels = check.meta_kernels
-    real = dict(kernels)
-    try:
-        for kind in real:
-            kernels[kind] = lambda *a, _k=kind: (ran.append(_k), real[_k](*a))[1]
-        assert fastpar.flatten(ts, out=poison_(out)) is out  # unchanged: the cached plan
-        assert torch.equal(out, torch.cat([t.reshape(-1) for t in ts]))
-        ts[where].t_()
-        fastpar.flatten(ts, out=poison_(out))
-    finally:
-        kernels.update(real)
+    ran = _spy_on_plan_checks(monkeypatch)
+    assert fastpar.flatten(ts, out=poison_(out)) is out  # unchanged: the cached plan
+    assert torch.equal(out, torch.cat([t.reshape(-1) for t in ts]))
+    ts[where].t_()
+    fastpar.flatten(ts, out=poison_(out))
     assert torch.equal(out, torch.cat([t.reshape(-1) for t in ts])), f"tensor {where} copied in its old layout"
     expected = "parallel" if _common.parallel_ok() else "serial"
     assert ran and set(ran) == {expected}, ran
@@ -875,15 +874,12 @@ def test_long_list_plan_check_does_not_wait_for_a_busy_pool(monkeypatch):
     waiting would never end."""
     import threading
 
-    from fastpar import _fastcheck, _tuning
+    from fastpar import _tuning
     from fastpar.kernels.ops_numba import _common
 
     ts = [torch.randn(4) for _ in range(10_000)]
     fastpar.flatten(ts)  # plan cached, and the parallel check compiled where it runs
-    kernels = _fastcheck._checker().meta_kernels
-    ran = []
-    for kind, kernel in list(kernels.items()):
-        monkeypatch.setitem(kernels, kind, lambda *a, _k=kind, _f=kernel: (ran.append(_k), _f(*a))[1])
+    ran = _spy_on_plan_checks(monkeypatch)
     result = {}
 
     def body():
