@@ -159,7 +159,9 @@ def _check_once(group, buf: torch.Tensor, wire: torch.dtype, who: str) -> None:
     # must still be checked (and refused by the casting hooks).
     key = (buf.device, buf.dtype, buf.layout, who)
     try:
-        seen = _checked.setdefault(group, set())
+        seen = _checked.get(group)
+        if seen is None:
+            seen = _checked.setdefault(group, set())
     except TypeError:  # a group object that cannot be referenced weakly: check every call
         seen = set()
     if key not in seen:

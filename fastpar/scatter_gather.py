@@ -89,12 +89,12 @@ def gather(outputs, target_device, dim=0):
     def gather_map(outs):
         out = outs[0]
         if isinstance(out, torch.Tensor):
-            _same_kind(outs, torch.Tensor, "a tensor")
+            _same_kind(outs, lambda o: isinstance(o, torch.Tensor), "a tensor")
             return Gather.apply(dst, dim, *outs)
         if out is None:
             return None
         if isinstance(out, dict):
-            _same_kind(outs, Mapping, "a dict")
+            _same_kind(outs, lambda o: isinstance(o, Mapping), "a dict")
             if not all(len(out) == len(d) for d in outs):
                 raise ValueError("All dicts must have the same number of keys")
             for i, d in enumerate(outs):
@@ -112,7 +112,7 @@ def gather(outputs, target_device, dim=0):
             if any(o != out for o in outs):
                 raise TypeError(
                     f"the replicas returned different {type(out).__name__}s at one position "
-                    f"({[o for o in outs]!r}); only tensors are gathered, and other outputs must be equal"
+                    f"({list(outs)!r}); only tensors are gathered, and other outputs must be equal"
                 )
             return out
         if not hasattr(out, "__len__") or not hasattr(out, "__iter__"):
@@ -122,12 +122,8 @@ def gather(outputs, target_device, dim=0):
             )
         # Any sequence is rebuilt from its items, as in torch (a list beside a tuple,
         # a namedtuple beside a tuple), but not from a tensor, a mapping or a string.
-        for i, o in enumerate(outs):
-            if isinstance(o, (torch.Tensor, Mapping, str, bytes)) or not hasattr(o, "__len__"):
-                raise TypeError(
-                    f"replica 0 returned a {type(out).__name__} where replica {i} returned {type(o).__name__}; "
-                    "the replicas' outputs must have the same structure to be gathered"
-                )
+        _same_kind(outs, lambda o: hasattr(o, "__len__") and not isinstance(o, (torch.Tensor, Mapping, str, bytes)),
+                   f"a {type(out).__name__}")
         # Replicas returning sequences of different lengths is an error (as in torch),
         # not a silently truncated result.
         lengths = [len(o) for o in outs]
@@ -146,10 +142,11 @@ def gather(outputs, target_device, dim=0):
         gather_map = None
 
 
-def _same_kind(outs, kind, what: str) -> None:
-    """Raise unless every replica's output at this position is a ``kind``."""
+def _same_kind(outs, ok, what: str) -> None:
+    """Raise unless ``ok(output)`` holds for every replica's output at this position
+    (replica 0's being ``what``)."""
     for i, o in enumerate(outs):
-        if not isinstance(o, kind):
+        if not ok(o):
             raise TypeError(
                 f"replica 0 returned {what} where replica {i} returned {type(o).__name__}; "
                 "the replicas' outputs must have the same structure to be gathered"
