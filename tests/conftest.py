@@ -2,12 +2,32 @@
 generators and output poisoning."""
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
+
+# Property-based tests (hypothesis). Examples are drawn afresh every run (no
+# derandomize): CI explores new inputs each time, and a failure prints the blob that
+# replays it (@reproduce_failure). No per-example deadline: an example may be the first
+# to compile a Numba kernel (seconds). HYPOTHESIS_PROFILE=soak runs 50x the examples.
+_CI_EXAMPLES = 40
+_HEALTH = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+settings.register_profile("ci", max_examples=_CI_EXAMPLES, deadline=None, print_blob=True, suppress_health_check=_HEALTH)
+settings.register_profile("soak", max_examples=2000, deadline=None, print_blob=True, suppress_health_check=_HEALTH)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def examples(n: int) -> settings:
+    """Settings for a property test that runs ``n`` examples under the ``ci`` profile
+    (for tests whose examples are slow, e.g. under the Triton interpreter), and
+    proportionally more under ``soak``."""
+    return settings(max_examples=max(1, n * settings.default.max_examples // _CI_EXAMPLES))
+
 
 #: (rtol, atol) against a float64 reference, per result dtype. For 16-bit floats: one
 #: rounding to nearest (unit roundoff 2**-11 for float16, 2**-8 for bfloat16) plus a
