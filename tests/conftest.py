@@ -80,6 +80,32 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, dtype=None, wh
         )
 
 
+def assert_same_bits(actual, expected, what: str = "", *, nan_payloads: bool = False):
+    """``actual`` holds exactly ``expected``'s bits: values first (:func:`assert_close`
+    with no tolerance: names the worst element and any NaN poison left), then the bits
+    (signed zeros). With ``nan_payloads``, a NaN matches any NaN: torch's own conversion
+    paths give bfloat16 NaNs different payloads."""
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    assert_close(actual, expected, what=what, tol=(0, 0))
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[actual.element_size()]
+    a, e = actual.detach().cpu(), expected.detach().cpu()
+    differ = a.view(ints) != e.view(ints)
+    if nan_payloads and a.dtype.is_floating_point:
+        differ &= ~(a.isnan() & e.isnan())
+    bad = differ.nonzero().flatten()
+    assert not len(bad), f"{what}: equal values but different bits at {bad[:8].tolist()}"
+
+
+def bf16_subnormals_zeroed(w: torch.Tensor) -> torch.Tensor:
+    """``w`` with its bfloat16 subnormals replaced by 0 (signed zeros kept): the Triton
+    interpreter's bfloat16 -> float32 conversion loses them (test_rnn records it as an
+    xfail; the GPU conversion is exact)."""
+    w = w.clone()
+    flat = w.view(-1)
+    flat[(flat != 0) & (flat.abs() < torch.finfo(torch.bfloat16).tiny)] = 0
+    return w
+
+
 def snapshot(tensors) -> list:
     """Copies of ``tensors`` for :func:`assert_unchanged` (taken before a call that must
     write nothing)."""

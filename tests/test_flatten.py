@@ -1490,3 +1490,369 @@ def test_kernel_refuses_cuda_graph_capture(monkeypatch):
     with fastpar.use_backend("torch"):
         assert _dispatch.kernel("flatten", torch.device("cuda", 0))[0] == "torch"
     assert len(asked) == 1
+
+
+# ---------------------------------------------------------------------------------------
+# Properties (hypothesis): random lists of tensors, layouts, dtypes and scales against
+# torch's own conversions, and random sequences of in-place changes against the plan cache.
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule  # noqa: E402
+from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
+
+from conftest import assert_same_bits, bf16_subnormals_zeroed, examples  # noqa: E402
+
+LAYOUTS = ["contiguous", "transposed", "stepped", "offset", "expanded", "negative"]
+#: Values that stress the conversions of float -> float (not float -> integer: C++
+#: leaves NaN, infinities and out-of-range values undefined there, and torch with it).
+SPECIALS = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40, -3e-39, 65504.0, 65520.0, 1e30, 3.0e38,
+            2.0**-24, 2.0**-25 * 3, 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-9]
+
+
+@st.composite
+def tensor_specs(draw, dtypes):
+    """(shape, dtype, layout) of one input; shapes of up to 3 dims with sizes 0..6 (one
+    in 20 a single dim of 65,537, beyond one block of the kernels)."""
+    dtype = draw(st.sampled_from(dtypes))
+    if draw(st.integers(0, 19)) == 0:
+        shape = (65_537,)
+    else:
+        shape = tuple(draw(st.lists(st.integers(0, 6), max_size=3)))
+    return shape, dtype, draw(st.sampled_from(LAYOUTS))
+
+
+def build(spec, gen, *, specials: bool, flush_bf16: bool = False):
+    """A tensor of ``spec``'s shape and dtype, laid out as it says (``expanded`` repeats
+    one row; ``negative`` is a lazy negative view where the dtype has one), with fresh
+    values from ``gen`` and, with ``specials``, some of ``SPECIALS`` among them. With
+    ``flush_bf16``, bfloat16 subnormals are zeroed (the Triton interpreter loses them)."""
+    shape, dtype, layout = spec
+    if layout == "transposed" and len(shape) >= 2:
+        base_shape = tuple(reversed(shape))
+    elif layout == "stepped" and len(shape) >= 1:
+        base_shape = (shape[0] * 2,) + shape[1:]
+    elif layout == "offset":
+        base_shape = (math.prod(shape) + 3,)
+    elif layout == "expanded" and len(shape) >= 1:
+        base_shape = (1,) + shape[1:]
+    else:
+        base_shape = shape
+    base = rand(base_shape, dtype, gen=gen)
+    if specials and dtype.is_floating_point and base.numel():
+        n = base.numel()
+        pick = torch.randint(0, len(SPECIALS), (min(n, 8),), generator=gen)
+        base.view(-1)[torch.randint(0, n, (len(pick),), generator=gen)] = \
+            torch.tensor(SPECIALS, dtype=torch.float64)[pick].to(dtype)
+    if flush_bf16 and dtype == torch.bfloat16:
+        base = bf16_subnormals_zeroed(base)
+    if layout == "transposed" and len(shape) >= 2:
+        t = base.permute(*reversed(range(len(shape))))
+    elif layout == "stepped" and len(shape) >= 1:
+        t = base[::2]
+    elif layout == "offset":
+        t = base[3:].view(shape)
+    elif layout == "expanded" and len(shape) >= 1:
+        t = base.expand(shape)
+    else:
+        t = base
+    if layout == "negative" and dtype.is_floating_point:
+        t = torch._neg_view(t.neg())  # the same values behind a lazy negation bit
+    return t
+
+
+def expected_flatten(ts, dtype, scale):
+    """What the docstring promises, per tensor: ``Tensor.to(dtype)``, or with a scale
+    ``(t.to(compute) * scale).to(dtype)``, compute float64 when either side is float64,
+    else float32."""
+    parts = []
+    for t in ts:
+        v = t.resolve_neg().reshape(-1)
+        if scale is not None:
+            v = v.to(torch.float64 if torch.float64 in (t.dtype, dtype) else torch.float32) * scale
+        parts.append(v.to(dtype))
+    return torch.cat(parts) if parts else torch.empty(0, dtype=dtype)
+
+
+SCALES = st.one_of(st.none(), st.sampled_from([0.37, -2.0, 1 / 3, 0.0, 1e-3, 2.0**-20, 3e38, 1e39]),
+                   st.floats(-4.0, 4.0, allow_subnormal=False))
+
+
+def check_flatten(data, backend):
+    """Any list of 1-8 tensors of any layout, in one dtype or (with ``dtype=``) mixed,
+    with or without a scale: flatten equals torch's per-tensor conversion bit for bit
+    (any NaN for a NaN), into ``out`` (poisoned) and allocating; and unflatten_into of
+    the result restores the inputs where the round trip is exact (same dtype, no scale)."""
+    cast = data.draw(st.booleans(), "cast")
+    specs = data.draw(st.lists(tensor_specs(CAST_DTYPES if cast else [data.draw(st.sampled_from(CAST_DTYPES), "dtype")]),
+                               min_size=1, max_size=8), "specs")
+    dst = data.draw(st.sampled_from(CAST_DTYPES), "dst") if cast else specs[0][1]
+    floats_only = dst.is_floating_point and all(s[1].is_floating_point for s in specs)
+    scale = data.draw(SCALES, "scale") if floats_only else None
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1), "seed"))
+    ts = [build(s, gen, specials=floats_only, flush_bf16=backend == "triton") for s in specs]
+    if not dst.is_floating_point:  # float -> int only for values inside the int's range
+        ts = [t.clamp(-100, 100) if t.dtype.is_floating_point else t for t in ts]
+        if dst == torch.uint8:
+            ts = [t.abs() if t.dtype.is_floating_point or t.dtype.is_signed else t for t in ts]
+    exp = expected_flatten(ts, dst, scale)
+    out = poison_(torch.empty(exp.numel(), dtype=dst))
+    kwargs = {"dtype": dst} if cast else {}
+    what = f"flatten {[s[1] for s in specs]} -> {dst}, scale {scale}"
+    assert fastpar.flatten(ts, scale=scale, out=out, **kwargs) is out
+    assert_same_bits(out, exp, f"{what}, into out", nan_payloads=True)
+    assert_same_bits(fastpar.flatten(ts, scale=scale, **kwargs), exp, f"{what}, allocating", nan_payloads=True)
+    if not cast and scale is None:
+        back = [poison_(torch.empty(t.shape, dtype=t.dtype)) for t in ts]
+        fastpar.unflatten_into(out, back)
+        for i, (b, t) in enumerate(zip(back, ts)):
+            assert_same_bits(b, t.resolve_neg().contiguous(), f"unflatten_into of {what}: tensor {i}")
+
+
+def check_unflatten_into(data, backend):
+    """A flat buffer of any dtype written into 1-8 destinations of any dtypes and
+    layouts (disjoint, none expanded), with or without a scale: each destination
+    equals torch's conversion of its slice bit for bit (any NaN for a NaN)."""
+    src = data.draw(st.sampled_from(CAST_DTYPES), "flat dtype")
+    layouts = [lay for lay in LAYOUTS if lay not in ("expanded", "negative")]
+    specs = [(shape, d, data.draw(st.sampled_from(layouts))) for shape, d, _ in
+             data.draw(st.lists(tensor_specs(CAST_DTYPES), min_size=1, max_size=8), "specs")]
+    floats_only = src.is_floating_point and all(d.is_floating_point for _, d, _ in specs)
+    scale = data.draw(SCALES, "scale") if floats_only else None
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1), "seed"))
+    dsts = [poison_(build(s, gen, specials=False)) for s in specs]
+    flat = build(((sum(t.numel() for t in dsts),), src, "contiguous"), gen, specials=floats_only,
+                 flush_bf16=backend == "triton")
+    if not floats_only:  # values every destination dtype holds
+        flat = flat.clamp(0, 100) if src.is_floating_point else flat.abs().clamp(0, 100)
+    fastpar.unflatten_into(flat, dsts, scale=scale)
+    off = 0
+    for i, t in enumerate(dsts):
+        piece = flat[off: off + t.numel()]
+        off += t.numel()
+        exp = expected_flatten([piece], t.dtype, scale).view(t.shape)
+        assert_same_bits(t, exp, f"unflatten_into destination {i}: {src} -> {t.dtype}, scale {scale}",
+                         nan_payloads=True)
+
+
+@pytest.mark.parametrize("check", [check_flatten, check_unflatten_into], ids=["flatten", "unflatten_into"])
+@pytest.mark.parametrize("be", ["numba", "torch"])
+@given(data=st.data())
+def test_copy_properties(be, check, data):
+    with fastpar.use_backend(be):
+        check(data, be)
+
+
+@pytest.mark.parametrize("check", [check_flatten, check_unflatten_into], ids=["flatten", "unflatten_into"])
+@examples(8)
+@given(data=st.data())
+def test_copy_properties_triton_interpreter(check, data):
+    with fastpar.use_backend("triton"):
+        check(data, "triton")
+
+
+STATE_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32]
+
+
+def _element_bytes(t: torch.Tensor) -> set:
+    """Every byte address ``t``'s elements cover (brute force, for small tensors)."""
+    n_storage = t.untyped_storage().nbytes() // t.element_size()
+    idx = torch.arange(max(n_storage, 1)).as_strided(t.shape, t.stride(), t.storage_offset())
+    base, size = t.untyped_storage().data_ptr(), t.element_size()
+    return {base + int(i) * size + k for i in idx.reshape(-1) for k in range(size)}
+
+
+def expected_refusal(ts) -> str | None:
+    """Why ``unflatten_into(flat, ts)`` must refuse, by the documented rule, or None:
+    two contiguous tensors share a byte; a non-contiguous one counts as its whole storage
+    against contiguous ones; non-contiguous ones are compared byte by byte; a tensor
+    torch knows overlaps itself (a 0 stride over a size > 1) is refused. Empty tensors
+    overlap nothing."""
+    live = [(i, t) for i, t in enumerate(ts) if t.numel()]
+    for i, t in live:
+        if not t.is_contiguous() and torch._debug_has_internal_overlap(t) == 1:
+            return f"tensors[{i}] overlaps itself"
+
+    def reach(t):
+        if t.is_contiguous():
+            lo = t.data_ptr()
+            return set(range(lo, lo + t.numel() * t.element_size()))
+        return None
+
+    for a, (i, s) in enumerate(live):
+        for j, t in live[a + 1:]:
+            rs, rt = reach(s), reach(t)
+            if rs is not None and rt is not None:
+                shared = bool(rs & rt)
+            elif rs is None and rt is None:
+                shared = bool(_element_bytes(s) & _element_bytes(t))
+            else:
+                nc, c = (s, rt) if rs is None else (t, rs)
+                st = nc.untyped_storage()
+                shared = bool(c & set(range(st.data_ptr(), st.data_ptr() + st.nbytes())))
+            if shared:
+                return f"tensors[{i}] and tensors[{j}] share memory"
+    return None
+
+
+class PlanCacheMachine(RuleBasedStateMachine):
+    """A list of tensors changed in place between calls, the ways a training loop or a
+    user might (new tensors, ``.data =``, ``set_``, ``resize_``, ``as_strided_``,
+    transposes, ``swap_tensors``, reordering): each call's result must follow the list
+    as it is now, never a plan cached for what it was."""
+
+    def __init__(self):
+        super().__init__()
+        self.gen = torch.Generator().manual_seed(0)
+        self.ts = []
+
+    def fresh(self, shape, dtype):
+        t = torch.randn(shape, generator=self.gen, dtype=torch.float64) * 8
+        return t.to(dtype)
+
+    @initialize(n=st.integers(1, 4), data=st.data())
+    def start(self, n, data):
+        self.gen.manual_seed(data.draw(st.integers(0, 2**32 - 1), "seed"))
+        for _ in range(n):
+            self.append(data)
+
+    shapes = st.lists(st.integers(0, 5), max_size=2).map(tuple)
+    index = st.integers(0, 1 << 16)
+
+    def at(self, i):
+        return i % len(self.ts)
+
+    @rule(data=st.data())
+    def append(self, data):
+        self.ts.append(self.fresh(data.draw(self.shapes), data.draw(st.sampled_from(STATE_DTYPES))))
+
+    @precondition(lambda self: len(self.ts) > 1)
+    @rule(i=index)
+    def pop(self, i):
+        self.ts.pop(self.at(i))
+
+    @rule(i=index, same=st.booleans(), data=st.data())
+    def replace(self, i, same, data):
+        """A new tensor in the slot (of the same shape and dtype, the old one freed first
+        so that its address may come back)."""
+        i = self.at(i)
+        old = self.ts[i]
+        shape, dtype = (old.shape, old.dtype) if same else (data.draw(self.shapes), old.dtype)
+        self.ts[i] = None
+        del old
+        self.ts[i] = self.fresh(shape, dtype)
+
+    @rule(i=index, j=index)
+    def duplicate(self, i, j):
+        self.ts[self.at(j)] = self.ts[self.at(i)]
+
+    @rule(i=index, j=index)
+    def swap_positions(self, i, j):
+        i, j = self.at(i), self.at(j)
+        self.ts[i], self.ts[j] = self.ts[j], self.ts[i]
+
+    @rule(i=index, j=index)
+    def swap_tensors(self, i, j):
+        a, b = self.ts[self.at(i)], self.ts[self.at(j)]
+        if a is not b:
+            torch.utils.swap_tensors(a, b)
+
+    @rule(i=index)
+    def transpose(self, i):
+        t = self.ts[self.at(i)]
+        if t.dim() >= 2:
+            with torch.no_grad():  # (a layout change, allowed on a leaf requiring grad)
+                t.t_()
+
+    @rule(i=index)
+    def unsqueeze_squeeze(self, i):
+        t = self.ts[self.at(i)]
+        with torch.no_grad():
+            if t.dim() < 2:
+                t.unsqueeze_(0)
+            else:
+                t.squeeze_()
+
+    @rule(i=index, n=st.integers(0, 30))
+    def resize(self, i, n):
+        t = self.ts[self.at(i)]
+        if not t.requires_grad:  # (torch refuses to resize those)
+            t.resize_(n)
+            t.copy_(self.fresh(n, t.dtype))  # growth leaves garbage (NaN bits among it)
+
+    @rule(i=index, data=st.data())
+    def as_strided(self, i, data):
+        """A view of the tensor's own storage, non-overlapping (row or column order, with
+        a step) or, sometimes, repeating a row through a 0 stride."""
+        t = self.ts[self.at(i)]
+        n = t.untyped_storage().nbytes() // t.element_size()
+        a, b = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 4))
+        k = data.draw(st.integers(1, 2))
+        stride = data.draw(st.sampled_from([(b * k, k), (k, a * k), (0, k)]))
+        reach = (a - 1) * stride[0] + (b - 1) * stride[1] + 1
+        if reach <= n:
+            with torch.no_grad():
+                t.as_strided_((a, b), stride, data.draw(st.integers(0, n - reach)))
+
+    @rule(i=index, j=index, data=st.data())
+    def set_storage(self, i, j, data):
+        """Point tensor ``i`` into tensor ``j``'s storage (which may hold another dtype):
+        the two may then share bytes, partially."""
+        t, src = self.ts[self.at(i)], self.ts[self.at(j)]
+        n = src.untyped_storage().nbytes() // t.element_size()
+        size = data.draw(st.integers(0, 6))
+        if size <= n:
+            with torch.no_grad():
+                t.set_(src.untyped_storage(), data.draw(st.integers(0, n - size)), (size,))
+
+    @rule(i=index, dtype=st.sampled_from(STATE_DTYPES), data=st.data())
+    def assign_data(self, i, dtype, data):
+        t = self.ts[self.at(i)]
+        if dtype.is_floating_point or not t.requires_grad:
+            t.data = self.fresh(data.draw(self.shapes), dtype)
+
+    @rule(i=index)
+    def add(self, i):
+        t = self.ts[self.at(i)]
+        if torch._debug_has_internal_overlap(t) != 1:  # (torch refuses to write a 0 stride)
+            with torch.no_grad():
+                t.add_(1)
+
+    @rule(i=index)
+    def toggle_requires_grad(self, i):
+        t = self.ts[self.at(i)]
+        if t.dtype.is_floating_point and t.is_leaf:
+            t.requires_grad_(not t.requires_grad)
+
+    @invariant()
+    def results_follow_the_list(self):
+        ts = [t.detach() for t in self.ts]
+        mixed = len({t.dtype for t in ts}) > 1
+        kwargs = {"dtype": torch.float64} if mixed else {}
+        exp = torch.cat([t.reshape(-1).to(torch.float64 if mixed else t.dtype) for t in ts])
+        what = f"flatten of {[(tuple(t.shape), t.stride(), t.dtype) for t in ts]}"
+        assert_same_bits(fastpar.flatten(self.ts, **kwargs), exp, what, nan_payloads=True)
+        out = poison_(torch.empty_like(exp))
+        assert fastpar.flatten(self.ts, out=out, **kwargs) is out
+        assert_same_bits(out, exp, what + ", into out", nan_payloads=True)
+
+        flat = self.fresh(exp.numel(), exp.dtype if exp.dtype.is_floating_point else torch.float64)
+        why = expected_refusal(ts)
+        if why is not None:
+            before = snapshot(ts)
+            with pytest.raises(ValueError, match="share memory|overlapping"):
+                fastpar.unflatten_into(flat, self.ts)
+            assert_unchanged(ts, before)
+            return
+        fastpar.unflatten_into(flat, self.ts)
+        off = 0
+        for i, t in enumerate(ts):
+            exp_i = flat[off: off + t.numel()].to(t.dtype).view(t.shape)
+            off += t.numel()
+            assert_same_bits(t, exp_i, f"unflatten_into: tensors[{i}] {tuple(t.shape)} {t.stride()} {t.dtype}")
+
+
+def test_plan_cache_follows_in_place_changes(plan_check):
+    """Random sequences of in-place changes to a list between flatten / unflatten_into
+    calls (see :class:`PlanCacheMachine`), under each compiled plan re-check."""
+    run_state_machine_as_test(PlanCacheMachine, settings=settings(examples(10), stateful_step_count=25))

@@ -9,7 +9,16 @@ import warnings
 
 import pytest
 import torch
-from conftest import CPU_BACKENDS, assert_close, assert_unchanged, cuda, poison_, poisoned, snapshot
+from conftest import (
+    CPU_BACKENDS,
+    assert_same_bits,
+    assert_unchanged,
+    bf16_subnormals_zeroed,
+    cuda,
+    poison_,
+    poisoned,
+    snapshot,
+)
 
 import fastpar
 from fastpar import rnn
@@ -80,17 +89,6 @@ def expected_pack(weights, layout):
         assert tuple(w.shape) == shape
         buf[off : off + flat.numel()] = flat.to(torch.float64).to(layout.dtype)
     return buf
-
-
-def assert_same_bits(actual, expected, what):
-    """``actual`` holds exactly ``expected``'s bits: values first (the verbose helper, with
-    no tolerance: names the worst element and any NaN poison left), then the bits (signed
-    zeros)."""
-    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
-    assert_close(actual, expected, what=what, tol=(0, 0))
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[actual.element_size()]
-    bad = (actual.detach().cpu().view(ints) != expected.detach().cpu().view(ints)).nonzero().flatten()
-    assert not len(bad), f"{what}: equal values but different bits at {bad[:8].tolist()}"
 
 
 def assert_views_of(module, buf, layout):
@@ -326,15 +324,6 @@ CAST_CONFIGS = {
     "small": ("LSTM", 9, 10, 2, True, True, PROJ, 3),
     "large": ("GRU", 200, 128, 1, False, True, 0, 5),
 }
-
-
-def bf16_subnormals_zeroed(w):
-    """``w`` with its bfloat16 subnormals replaced by 0 (signed zeros kept): the Triton
-    interpreter's bfloat16 -> float32 conversion loses them (see the xfail below)."""
-    w = w.clone()
-    flat = w.view(-1)
-    flat[(flat != 0) & (flat.abs() < torch.finfo(torch.bfloat16).tiny)] = 0
-    return w
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # interpreter, on inf
