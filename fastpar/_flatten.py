@@ -44,6 +44,12 @@ def _staged_groups(plan, *, fill: bool):
     return groups, pending
 
 
+def _empty_list(tensors) -> bool:
+    """``tensors`` is an empty list or tuple: nothing to unflatten (``flatten`` still
+    refuses one, as torch does, having no dtype or device to give its result)."""
+    return isinstance(tensors, (list, tuple)) and not tensors
+
+
 def flatten(tensors, *, dtype=None, scale=None, out=None):
     r"""Pack ``tensors`` end to end into one 1-D buffer, in one kernel launch.
 
@@ -136,7 +142,12 @@ def unflatten(flat, tensors):
 
         >>> flat = fastpar.flatten(grads)
         >>> views = fastpar.unflatten(flat, grads)  # views[i] has grads[i]'s shape
+
+    An empty ``tensors`` gives ``()``, as in torch (``flat`` must then be empty).
     """
+    if _empty_list(tensors):
+        check_flat(flat, "flat", numel=0, dtype=None, device=None)
+        return ()
     plan = plan_for(tensors, "tensors")
     check_flat(flat, "flat", numel=plan.numel, dtype=None, device=None)
     memo = plan.__dict__.get("_split")
@@ -176,8 +187,13 @@ def unflatten_into(flat, tensors, *, scale=None) -> None:
         >>> fastpar.unflatten_into(flat, grads, scale=1 / world_size)  # cast back, one launch
 
     Writes bypass autograd, as under ``torch.no_grad()``, but bump the tensors' version
-    counters so autograd still detects the modification of a saved tensor.
+    counters so autograd still detects the modification of a saved tensor. An empty
+    ``tensors`` writes nothing (``flat`` must then be empty).
     """
+    if _empty_list(tensors):
+        check_flat(flat, "flat", numel=0, dtype=None, device=None)
+        check_scale(scale)
+        return
     plan = plan_for(tensors, "tensors")
     check_flat(flat, "flat", numel=plan.numel, dtype=None, device=plan.device)
     scale = check_scale(scale)

@@ -243,6 +243,28 @@ def test_unflatten_views():
             assert v.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr(), "views, not copies"
 
 
+@pytest.mark.parametrize("empty", [[], ()], ids=["list", "tuple"])
+def test_empty_tensor_list(empty):
+    """No tensors: unflatten gives ``()`` as torch's does, unflatten_into writes nothing;
+    both still check ``flat`` (it must be empty). flatten refuses, as torch does (there
+    is no dtype or device for its result)."""
+    flat = torch.empty(0)
+    assert fastpar.unflatten(flat, empty) == () == torch._utils._unflatten_dense_tensors(flat, empty)
+    assert fastpar.unflatten_into(flat, empty) is None
+    assert fastpar.unflatten_into(flat, empty, scale=0.5) is None
+    for call in (fastpar.unflatten, fastpar.unflatten_into):
+        with pytest.raises(ValueError, match=r"flat must have exactly 0 elements .* got 2"):
+            call(torch.zeros(2), empty)
+        with pytest.raises(ValueError, match=r"flat must be a contiguous 1-D tensor, got shape \(0, 0\)"):
+            call(torch.empty(0, 0), empty)
+        with pytest.raises(TypeError, match="flat must be a torch.Tensor, got list"):
+            call([], empty)
+    with pytest.raises(TypeError, match="scale must be a real number"):
+        fastpar.unflatten_into(flat, empty, scale="2")
+    with pytest.raises(ValueError, match="tensors must contain at least one tensor"):
+        fastpar.flatten(empty)
+
+
 @pytest.mark.parametrize("n", [1, 10_000])
 def test_unflatten_is_torchs_unflatten(n):
     """Same views as ``torch._utils._unflatten_dense_tensors``: offsets, shapes, strides,
