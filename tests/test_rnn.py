@@ -724,3 +724,198 @@ def test_layout_takes_lists_as_tuples():
     assert listed == layout and hash(listed) == hash(layout)
     out = rnn.pack(list(m._flat_weights), listed, out=poisoned(layout.numel))
     assert_same_bits(out, expected_pack(m._flat_weights, layout), "a layout given lists")
+
+
+# ---------------------------------------------------------------------------------------
+# Properties (hypothesis): random configurations, dtypes, weight layouts and sharing,
+# packed on every CPU backend against expected_pack, bit for bit; flatten_parameters on
+# the same modules (views of the buffer, or refused for tied weights).
+
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from conftest import examples, rand  # noqa: E402
+
+PROP_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+#: How a weight's values are laid out in memory ("negative": a lazy negative view, for
+#: pack only: a Parameter is not made of those).
+WEIGHT_LAYOUTS = ["contiguous", "transposed", "stepped", "offset", "expanded", "negative"]
+
+
+@st.composite
+def rnn_cases(draw, backend):
+    """A configuration (any mode, sizes 1..7, 1..3 layers, bias, direction, projection),
+    source and buffer dtypes, a layout per weight, tied slots, and a gap pad."""
+    mode = draw(st.sampled_from(MODES), "mode")
+    hidden = draw(st.integers(1, 7), "hidden_size")
+    proj = draw(st.integers(0, hidden - 1), "proj_size") if mode == "LSTM" else 0
+    cfg = dict(mode=mode, input_size=draw(st.integers(1, 7), "input_size"), hidden_size=hidden,
+               num_layers=draw(st.integers(1, 3), "num_layers"), bidirectional=draw(st.booleans(), "bidirectional"),
+               bias=draw(st.booleans(), "bias"), proj_size=proj)
+    src = draw(st.sampled_from(PROP_DTYPES), "src dtype")
+    dst = draw(st.one_of(st.just(src), st.sampled_from(PROP_DTYPES)), "buffer dtype")
+    shapes = RNNLayout.for_config(**cfg).shapes
+    layouts = draw(st.lists(st.sampled_from(WEIGHT_LAYOUTS), min_size=len(shapes), max_size=len(shapes)), "layouts")
+    # Tied slots: a later weight is an earlier one of the same shape (the same tensor).
+    ties = {}
+    for j in range(len(shapes)):
+        same = [i for i in range(j) if shapes[i] == shapes[j] and i not in ties]
+        if same and draw(st.integers(0, 5), f"tie {j}?") == 0:
+            ties[j] = draw(st.sampled_from(same), f"tie {j} to")
+    return dict(cfg=cfg, src=src, dst=dst, layouts=layouts, ties=ties,
+                one_storage=draw(st.booleans(), "one storage"), pad=draw(st.integers(0, 3), "pad"),
+                specials=draw(st.booleans(), "specials"), seed=draw(st.integers(0, 2**32 - 1), "seed"),
+                flush_bf16=backend == "triton")
+
+
+def laid_out(values, how, gen):
+    """A tensor of ``values``' values (``expanded``: its first row repeated) laid out as
+    ``how`` says."""
+    shape, dtype = values.shape, values.dtype
+    if how == "transposed" and values.dim() == 2:
+        return values.t().contiguous().t()
+    if how == "stepped":
+        base = poisoned((shape[0] * 2, *shape[1:]), dtype=dtype)
+        base[::2] = values
+        return base[::2]
+    if how == "offset":
+        skip = int(torch.randint(1, 5, (), generator=gen))
+        base = poisoned(values.numel() + skip, dtype=dtype)
+        base[skip:] = values.reshape(-1)
+        return base[skip:].view(shape)
+    if how == "expanded":
+        return values[:1].expand(shape)
+    if how == "negative":
+        return torch._neg_view(values.neg())
+    return values
+
+
+def rnn_weights(case):
+    """The case's weights, in ``_flat_weights_names`` order: fresh values from its seed
+    (with SPECIALS among the first one's, on request), each laid out as drawn; tied slots
+    the same tensor; with ``one_storage``, the contiguous ones carved out of one tensor
+    in reverse order (a module packed for another layout)."""
+    gen = torch.Generator().manual_seed(case["seed"])
+    src = case["src"]
+    shapes = RNNLayout.for_config(**case["cfg"]).shapes
+    values = [rand(s, src, gen=gen) for s in shapes]
+    if case["specials"]:
+        k = min(len(SPECIALS), values[0].numel())
+        values[0].view(-1)[:k] = torch.tensor(SPECIALS[:k], dtype=torch.float64).to(src)
+    if case["flush_bf16"] and src == torch.bfloat16:
+        values = [bf16_subnormals_zeroed(v) for v in values]
+    ws = [laid_out(v, how, gen) for v, how in zip(values, case["layouts"])]
+    if case["one_storage"]:
+        plain = [i for i, how in enumerate(case["layouts"]) if how == "contiguous"][::-1]
+        base = poisoned(sum(ws[i].numel() for i in plain), dtype=src)
+        at = 0
+        for i in plain:
+            base[at : at + ws[i].numel()] = ws[i].reshape(-1)
+            ws[i] = base[at : at + ws[i].numel()].view(ws[i].shape)
+            at += ws[i].numel()
+    for j, i in case["ties"].items():
+        ws[j] = ws[i]
+    return ws
+
+
+def check_pack_property(case, backend):
+    """pack of any weights into a poisoned buffer (dense or gapped layout, any dtype
+    pair) equals expected_pack bit for bit, in one launch (none on torch); allocating
+    too; the weights are not written; and the layout's views of the buffer give each
+    weight back, converted."""
+    ws = rnn_weights(case)
+    cfg = case["cfg"]
+    dense = RNNLayout.for_config(**cfg, dtype=case["dst"])
+    # The layout itself, against torch's module of the configuration (on meta: no memory):
+    # its weights in _flat_weights_names order, back to back.
+    tm = torch.nn.RNNBase(cfg["mode"], cfg["input_size"], cfg["hidden_size"], cfg["num_layers"], bias=cfg["bias"],
+                          bidirectional=cfg["bidirectional"], proj_size=cfg["proj_size"], device="meta")
+    numels = [w.numel() for w in tm._flat_weights]
+    assert dense.names == tuple(tm._flat_weights_names) and dense.source == "dense"
+    assert dense.shapes == tuple(tuple(w.shape) for w in tm._flat_weights)
+    assert dense.offsets == tuple(sum(numels[:i]) for i in range(len(numels))) and dense.numel == sum(numels)
+    layout = gapped(dense, case["pad"])
+    expected = expected_pack([w.resolve_neg() for w in ws], layout)
+    before = snapshot(ws)
+    what = f"{case['cfg']} {case['src']} -> {case['dst']}, layouts {case['layouts']}, ties {case['ties']}"
+    out = poisoned(layout.numel, dtype=case["dst"])
+    with fastpar.count_launches() as n:
+        assert rnn.pack(ws, layout, out=out) is out
+    assert n.total == (0 if backend == "torch" else 1), f"{backend}: {n.by_op}"
+    assert_same_bits(out, expected, f"{what}, into out")
+    assert_same_bits(rnn.pack(ws, layout), expected, f"{what}, allocating")
+    assert_unchanged(ws, before, what=f"{what}: a weight")
+    for name, w, v, off in zip(layout.names, ws, layout.views(out), layout.offsets):
+        assert v.data_ptr() == out.data_ptr() + off * out.element_size(), f"{what}: view of {name}"
+        assert_same_bits(v, w.resolve_neg().to(torch.float64).to(case["dst"]), f"{what}: view of {name}")
+
+
+def check_flatten_property(case, backend):
+    """flatten_parameters of a module holding those weights (as Parameters' data):
+    refused, rebinding nothing, where two slots are tied; otherwise one launch (none on
+    torch) packs expected_pack's buffer, every Parameter (the same objects) becomes a
+    view of it at its layout offset, a second call packs nothing, and the forward is
+    that of the module with its weights placed there by plain torch, bit for bit."""
+    cfg = case["cfg"]
+    ws = rnn_weights({**case, "layouts": [h if h != "negative" else "contiguous" for h in case["layouts"]]})
+    m = make(cfg["mode"], cfg["num_layers"], cfg["bidirectional"], cfg["bias"], cfg["proj_size"],
+             dtype=case["src"], input_size=cfg["input_size"], hidden_size=cfg["hidden_size"])
+    names = list(m._flat_weights_names)
+    for j, (name, w) in enumerate(zip(names, ws)):
+        if j in case["ties"]:
+            setattr(m, name, getattr(m, names[case["ties"][j]]))
+        else:
+            getattr(m, name).data = w
+    if case["ties"]:
+        j, i = next(iter(case["ties"].items()))
+        _assert_rejected(m, ValueError, f"module.{names[j]} aliases module.{names[i]}")
+        return
+    # The reference: the module with its weights placed in expected_pack's buffer by
+    # plain torch (where a weight sits changes the CPU BLAS's rounding: a module with
+    # separately allocated weights may differ in the last bit).
+    ref = copy.deepcopy(m)
+    ref_layout = RNNLayout.for_module(ref)
+    placed = expected_pack(ws, ref_layout)
+    with torch.no_grad():
+        for w, off, shape in zip(ref._flat_weights, ref_layout.offsets, ref_layout.shapes):
+            w.set_(placed.untyped_storage(), off, shape, torch.empty(shape, device="meta").stride())
+    params = list(m.parameters())
+    with fastpar.count_launches() as n:
+        buf = rnn.flatten_parameters(m)
+    assert n.total == (0 if backend == "torch" else 1), f"{backend}: {n.by_op}"
+    layout = RNNLayout.for_module(m)
+    assert buf.dtype == case["src"] and buf.storage_offset() == 0 and buf.numel() == layout.numel
+    assert_same_bits(buf, expected_pack(ws, layout), f"{cfg} {case['src']}: flatten_parameters' buffer")
+    assert rnn.is_flat(m)
+    assert_views_of(m, buf, layout)
+    assert all(a is b for a, b in zip(m.parameters(), params)), "Parameter objects must be kept"
+    assert all(w is getattr(m, n) for w, n in zip(m._flat_weights, names))
+    with fastpar.count_launches() as n:
+        again = rnn.flatten_parameters(m)
+    assert n.total == 0 and again.data_ptr() == buf.data_ptr(), "a flat module is left as it is"
+    gen = torch.Generator().manual_seed(case["seed"] ^ 1)
+    x = torch.randn(3, 2, cfg["input_size"], generator=gen).to(case["src"])
+    for i, (a, b) in enumerate(zip(run(m, x, 1), run(ref, x, 1))):
+        assert_same_bits(a, b, f"{cfg} {case['src']}: result {i} vs the torch-placed module's", nan_payloads=True)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+@pytest.mark.parametrize("be", ["numba", "torch"])
+@given(data=st.data())
+def test_pack_and_flatten_properties(be, data):
+    case = data.draw(rnn_cases(be), "case")
+    with fastpar.use_backend(be):
+        check_pack_property(case, be)
+        if case["dst"] == case["src"]:
+            check_flatten_property(case, be)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # interpreter, on inf
+@examples(5)
+@given(data=st.data())
+def test_pack_and_flatten_properties_triton_interpreter(data):
+    case = data.draw(rnn_cases("triton"), "case")
+    with fastpar.use_backend("triton"):
+        check_pack_property(case, "triton")
+        if case["dst"] == case["src"]:
+            check_flatten_property(case, "triton")
