@@ -18,6 +18,7 @@ import weakref
 from collections import OrderedDict
 
 import torch
+from torch.nn import Parameter
 from torch.nn.parallel.replicate import _replicatable_module
 
 from . import _alloc, comm, rnn
@@ -308,8 +309,15 @@ def replicate(network, devices, detach=False):
                     replica._parameters[key] = None
                 else:
                     copy = param_copies[j][param_indices[param]]
-                    if fast:  # a plain (non-Parameter) attribute, as Module.__setattr__ makes it
-                        replica.__dict__[key] = copy
+                    if fast:
+                        # What Module.__setattr__ makes of it: a Parameter (replica 0's
+                        # under detach=True is the source's own, as torch's broadcast
+                        # returns device 0's inputs) is registered, anything else is a
+                        # plain attribute.
+                        if isinstance(copy, Parameter):
+                            replica._parameters[key] = copy
+                        else:
+                            replica.__dict__[key] = copy
                     else:
                         setattr(replica, key, copy)
                     replica._former_parameters[key] = copy

@@ -679,11 +679,6 @@ def _check_like_torch(net, fp_reps, th_reps, detach):
         fs, rs = _state(f), _state(r)
         assert len(fs) == len(rs) == len(src), f"replica {j}: {len(fs)} modules, torch's {len(rs)}"
         for i, (a, b) in enumerate(zip(fs, rs)):
-            if detach and j == 0:
-                # torch's replica 0 gets the source's own Parameters under detach (device
-                # 0's "copies" are the inputs) and setattr registers them as parameters;
-                # fastpar's holds them as plain attributes: see the xfail below.
-                a, b = a[:3] + ([],) + a[4:], b[:3] + ([],) + b[4:]
             assert a[:4] == b[:4], f"replica {j}, module {i}: type, training, children, _parameters keys"
             assert a[6] == b[6], f"replica {j}, module {i}: non-persistent buffers"
             for (ka, ta), (kb, tb), (ks, ts) in zip(a[4] + a[5], b[4] + b[5], src[i][4] + src[i][5]):
@@ -784,12 +779,21 @@ def test_replicate_matches_torch_property(be, data):
             torch.testing.assert_close(a, b, rtol=8 * eps, atol=8 * eps * max(scale, 1.0), msg=f"gradient {i}")
 
 
-@pytest.mark.xfail(strict=True, reason="fastpar bug: under detach=True, replica 0 of a plain module holds the "
-                   "source's Parameters as plain attributes; torch's replicate (and fastpar's own setattr path, "
-                   "for classes that customise __setattr__) registers them as parameters")
-def test_detached_replica_0_registers_the_source_parameters_as_torch_does():
-    net = nn.Linear(2, 2)
-    [th] = torch_replicate(net, 1, detach=True)
-    [fp] = replicate(net, ["cpu"], detach=True)
-    assert [n for n, _ in th.named_parameters()] == ["weight", "bias"]
-    assert [n for n, _ in fp.named_parameters()] == ["weight", "bias"]
+@pytest.mark.parametrize("custom_setattr", [False, True], ids=["plain", "custom-setattr"])
+def test_detached_replica_0_registers_the_source_parameters_as_torch_does(custom_setattr):
+    """Under detach=True, replica 0 holds the source's own Parameters (torch's broadcast
+    returns device 0's inputs) and Module.__setattr__ registers them: so does fastpar,
+    on its direct path (plain classes) and through setattr (a class customising it)."""
+    class Custom(nn.Linear):
+        def __setattr__(self, k, v):
+            super().__setattr__(k, v)
+
+    net = Custom(2, 2) if custom_setattr else nn.Linear(2, 2)
+    th = torch_replicate(net, 2, detach=True)
+    fp = replicate(net, ["cpu", "cpu"], detach=True)
+    for j, (f, t) in enumerate(zip(fp, th)):
+        names = [n for n, _ in t.named_parameters()]
+        assert names == (["weight", "bias"] if j == 0 else []), f"torch's replica {j}: {names}"
+        assert [n for n, _ in f.named_parameters()] == names, f"replica {j}"
+    assert fp[0].weight is net.weight and fp[0].bias is net.bias
+    assert type(fp[1].weight) is torch.Tensor and not fp[1].weight.requires_grad
