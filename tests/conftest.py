@@ -2,12 +2,14 @@
 generators and output poisoning."""
 from __future__ import annotations
 
+import math
 import os
 import warnings
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 
 warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
 
@@ -137,12 +139,79 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
 
 
 def rand(shape, dtype, *, gen=None, device="cpu") -> torch.Tensor:
-    """Fresh random values exactly representable in ``dtype``."""
+    """Fresh random values exactly representable in ``dtype`` (for bool, either; for
+    complex, standard normal parts)."""
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool().to(device)
+    if dtype.is_complex:
+        return torch.randn(shape, generator=gen, dtype=torch.complex64).to(dtype).to(device)
     if dtype.is_floating_point:
         return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype).to(device)
     info = torch.iinfo(dtype)
     lo, hi = max(info.min, -(2**20)), min(info.max, 2**20)
     return torch.randint(lo, hi, shape, generator=gen, dtype=torch.int64).to(dtype).to(device)
+
+
+# Inputs for property tests (hypothesis): shapes, dtypes and layouts drawn, values from
+# a seeded torch.Generator.
+LAYOUTS = ["contiguous", "transposed", "stepped", "offset", "expanded", "negative"]
+#: Values that stress the conversions of float -> float (not float -> integer: C++
+#: leaves NaN, infinities and out-of-range values undefined there, and torch with it).
+SPECIALS = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40, -3e-39, 65504.0, 65520.0, 1e30, 3.0e38,
+            2.0**-24, 2.0**-25 * 3, 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-9]
+
+
+@st.composite
+def tensor_specs(draw, dtypes):
+    """(shape, dtype, layout) of one input; shapes of up to 3 dims with sizes 0..6 (one
+    in 20 a single dim of 65,537, beyond one block of the kernels)."""
+    dtype = draw(st.sampled_from(dtypes))
+    if draw(st.integers(0, 19)) == 0:
+        shape = (65_537,)
+    else:
+        shape = tuple(draw(st.lists(st.integers(0, 6), max_size=3)))
+    return shape, dtype, draw(st.sampled_from(LAYOUTS))
+
+
+def build(spec, gen, *, specials, flush_bf16: bool = False):
+    """A tensor of ``spec``'s shape and dtype, laid out as it says (``expanded`` repeats
+    one row; ``negative`` is a lazy negative view where the dtype has one), with fresh
+    values from ``gen`` (:func:`rand`) and, with ``specials`` (True: ``SPECIALS``, or a
+    list of values), some of those among them. With ``flush_bf16``, bfloat16 subnormals
+    are zeroed (the Triton interpreter loses them)."""
+    shape, dtype, layout = spec
+    if layout == "transposed" and len(shape) >= 2:
+        base_shape = tuple(reversed(shape))
+    elif layout == "stepped" and len(shape) >= 1:
+        base_shape = (shape[0] * 2,) + shape[1:]
+    elif layout == "offset":
+        base_shape = (math.prod(shape) + 3,)
+    elif layout == "expanded" and len(shape) >= 1:
+        base_shape = (1,) + shape[1:]
+    else:
+        base_shape = shape
+    base = rand(base_shape, dtype, gen=gen)
+    if specials and dtype.is_floating_point and base.numel():
+        n = base.numel()
+        values = SPECIALS if specials is True else specials
+        pick = torch.randint(0, len(values), (min(n, 8),), generator=gen)
+        base.view(-1)[torch.randint(0, n, (len(pick),), generator=gen)] = \
+            torch.tensor(values, dtype=torch.float64)[pick].to(dtype)
+    if flush_bf16 and dtype == torch.bfloat16:
+        base = bf16_subnormals_zeroed(base)
+    if layout == "transposed" and len(shape) >= 2:
+        t = base.permute(*reversed(range(len(shape))))
+    elif layout == "stepped" and len(shape) >= 1:
+        t = base[::2]
+    elif layout == "offset":
+        t = base[3:].view(shape)
+    elif layout == "expanded" and len(shape) >= 1:
+        t = base.expand(shape)
+    else:
+        t = base
+    if layout == "negative" and dtype.is_floating_point:
+        t = torch._neg_view(t.neg())  # the same values behind a lazy negation bit
+    return t
 
 
 @pytest.fixture(params=CPU_BACKENDS)

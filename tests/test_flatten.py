@@ -1523,65 +1523,7 @@ from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule  # noqa: E402
 from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
 
-from conftest import assert_same_bits, bf16_subnormals_zeroed, examples  # noqa: E402
-
-LAYOUTS = ["contiguous", "transposed", "stepped", "offset", "expanded", "negative"]
-#: Values that stress the conversions of float -> float (not float -> integer: C++
-#: leaves NaN, infinities and out-of-range values undefined there, and torch with it).
-SPECIALS = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40, -3e-39, 65504.0, 65520.0, 1e30, 3.0e38,
-            2.0**-24, 2.0**-25 * 3, 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-9]
-
-
-@st.composite
-def tensor_specs(draw, dtypes):
-    """(shape, dtype, layout) of one input; shapes of up to 3 dims with sizes 0..6 (one
-    in 20 a single dim of 65,537, beyond one block of the kernels)."""
-    dtype = draw(st.sampled_from(dtypes))
-    if draw(st.integers(0, 19)) == 0:
-        shape = (65_537,)
-    else:
-        shape = tuple(draw(st.lists(st.integers(0, 6), max_size=3)))
-    return shape, dtype, draw(st.sampled_from(LAYOUTS))
-
-
-def build(spec, gen, *, specials: bool, flush_bf16: bool = False):
-    """A tensor of ``spec``'s shape and dtype, laid out as it says (``expanded`` repeats
-    one row; ``negative`` is a lazy negative view where the dtype has one), with fresh
-    values from ``gen`` and, with ``specials``, some of ``SPECIALS`` among them. With
-    ``flush_bf16``, bfloat16 subnormals are zeroed (the Triton interpreter loses them)."""
-    shape, dtype, layout = spec
-    if layout == "transposed" and len(shape) >= 2:
-        base_shape = tuple(reversed(shape))
-    elif layout == "stepped" and len(shape) >= 1:
-        base_shape = (shape[0] * 2,) + shape[1:]
-    elif layout == "offset":
-        base_shape = (math.prod(shape) + 3,)
-    elif layout == "expanded" and len(shape) >= 1:
-        base_shape = (1,) + shape[1:]
-    else:
-        base_shape = shape
-    base = rand(base_shape, dtype, gen=gen)
-    if specials and dtype.is_floating_point and base.numel():
-        n = base.numel()
-        pick = torch.randint(0, len(SPECIALS), (min(n, 8),), generator=gen)
-        base.view(-1)[torch.randint(0, n, (len(pick),), generator=gen)] = \
-            torch.tensor(SPECIALS, dtype=torch.float64)[pick].to(dtype)
-    if flush_bf16 and dtype == torch.bfloat16:
-        base = bf16_subnormals_zeroed(base)
-    if layout == "transposed" and len(shape) >= 2:
-        t = base.permute(*reversed(range(len(shape))))
-    elif layout == "stepped" and len(shape) >= 1:
-        t = base[::2]
-    elif layout == "offset":
-        t = base[3:].view(shape)
-    elif layout == "expanded" and len(shape) >= 1:
-        t = base.expand(shape)
-    else:
-        t = base
-    if layout == "negative" and dtype.is_floating_point:
-        t = torch._neg_view(t.neg())  # the same values behind a lazy negation bit
-    return t
-
+from conftest import LAYOUTS, assert_same_bits, build, examples, tensor_specs  # noqa: E402
 
 def expected_flatten(ts, dtype, scale):
     """What the docstring promises, per tensor: ``Tensor.to(dtype)``, or with a scale

@@ -240,3 +240,330 @@ def test_gather_passes_none_through():
     assert gather([None, None], "cpu") is None
     out = gather([(a, None), (b, None)], "cpu")
     assert torch.equal(out[0], torch.cat([a, b])) and out[1] is None
+
+
+# ----------------------------------------------------------- Properties (hypothesis)
+# Random nested structures (tuples, lists, dicts, OrderedDicts, namedtuples, empty
+# containers, objects other than tensors) holding tensors of any dtype and layout that
+# share a batch size along dim: scattered, each device's structure is the same one with
+# each tensor's chunk of torch.chunk in it; gathered, the per-device outputs give torch.cat;
+# mismatched outputs are refused naming the replica.
+
+from conftest import LAYOUTS, assert_same_bits, build, examples  # noqa: E402
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from fastpar._validate import CAST_DTYPES  # noqa: E402
+
+DTYPES = [*CAST_DTYPES, torch.bool, torch.complex64, torch.complex128]
+
+
+class Leaf:
+    """Where a tensor goes in a drawn structure: its shape without the batch dim, dtype
+    and layout (made into a tensor by :func:`materialize`)."""
+
+    def __init__(self, rest, dtype, layout):
+        self.rest, self.dtype, self.layout = rest, dtype, layout
+
+    def __repr__(self):
+        return f"Leaf({self.rest}, {str(self.dtype).replace('torch.', '')}, {self.layout})"
+
+
+LEAVES = st.builds(Leaf, st.lists(st.integers(0, 3), min_size=1, max_size=2).map(tuple), st.sampled_from(DTYPES),
+                   st.sampled_from(LAYOUTS))
+#: Objects other than tensors: gather passes None and equal strings through; numbers
+#: (which it cannot gather) only where nothing is gathered.
+GATHERABLE = st.one_of(st.none(), st.sampled_from(["tag", b"k", ""]))
+OBJECTS = st.one_of(GATHERABLE, st.integers(-3, 3), st.floats(-1, 1), st.sampled_from([(), [], {}]))
+
+
+def structures(leaves):
+    """Nested tuples, lists, dicts, OrderedDicts and namedtuples of ``leaves``."""
+    keys = st.sampled_from(["a", "b", "c", "d"])
+
+    def extend(inner):
+        return st.one_of(
+            st.lists(inner, min_size=1, max_size=3),
+            st.lists(inner, min_size=1, max_size=3).map(tuple),
+            st.dictionaries(keys, inner, min_size=1, max_size=3),
+            st.dictionaries(keys, inner, min_size=1, max_size=3).map(collections.OrderedDict),
+            st.builds(Pair, inner, inner),
+        )
+
+    return st.recursive(leaves, extend, max_leaves=6)
+
+
+def rebuild(obj, leaf):
+    """``obj`` with every :class:`Leaf` replaced by ``leaf(it)`` (types kept)."""
+    if isinstance(obj, Leaf):
+        return leaf(obj)
+    if isinstance(obj, Pair):
+        return Pair(*(rebuild(o, leaf) for o in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(rebuild(o, leaf) for o in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, rebuild(v, leaf)) for k, v in obj.items())
+    return obj
+
+
+def tensors_of(obj) -> list:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in tensors_of(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in tensors_of(o)]
+    return []
+
+
+def batched(leaf, gen, batch, dim, flush_bf16=False):
+    """The tensor for ``leaf`` with ``batch`` rows inserted at ``dim``."""
+    shape = list(leaf.rest)
+    shape.insert(dim if dim >= 0 else len(shape) + 1 + dim, batch)
+    return build((tuple(shape), leaf.dtype, leaf.layout), gen, specials=True, flush_bf16=flush_bf16)
+
+
+def same_bits(actual, expected, what):
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    if actual.is_complex():
+        actual, expected = (torch.view_as_real(x.resolve_conj().contiguous()) for x in (actual, expected))
+    assert_same_bits(actual.resolve_neg(), expected.resolve_neg(), what)
+
+
+def assert_matches(got, want, what, *, identical=True):
+    """``got`` has ``want``'s structure and types, tensors of its dtypes and bits, and
+    where ``want`` has anything else, the very objects (or, not ``identical``, equal
+    ones: gather rebuilds empty containers)."""
+    assert type(got) is type(want), f"{what}: {type(got).__name__} where {type(want).__name__} was expected"
+    if isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype, f"{what}: {got.dtype} != {want.dtype}"
+        same_bits(got, want, what)
+    elif isinstance(want, (tuple, list)) and len(want):
+        assert len(got) == len(want), f"{what}: {len(got)} items, expected {len(want)}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_matches(g, w, f"{what}[{i}]", identical=identical)
+    elif isinstance(want, dict) and len(want):
+        assert list(got) == list(want), f"{what}: keys {list(got)} != {list(want)}"
+        for k in want:
+            assert_matches(got[k], want[k], f"{what}[{k!r}]", identical=identical)
+    elif identical:
+        assert got is want, f"{what}: {got!r} is not the object {want!r}"
+    else:
+        assert got == want, f"{what}: {got!r} != {want!r}"
+
+
+DIMS = st.sampled_from([0, 1, -1])
+
+
+@given(data=st.data())
+def test_scatter_properties(data):
+    """Any structure, batch size (0 included) and dim, to 1-4 CPU devices: one structure
+    per chunk torch.chunk gives (per device when there is no tensor), each the input's
+    with its tensors' chunks (only one of them a view of the input) and its other
+    objects themselves; gathered back along dim, the input."""
+    obj = data.draw(structures(st.one_of(LEAVES, OBJECTS)), "structure")
+    k = data.draw(st.integers(1, 4), "devices")
+    dim, batch = data.draw(DIMS, "dim"), data.draw(st.integers(0, 9), "batch")
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1), "seed"))
+    obj = rebuild(obj, lambda leaf: batched(leaf, gen, batch, dim))
+    ts = tensors_of(obj)
+    n = len(torch.empty(batch).chunk(k)) if ts else k
+    parts = fastpar.scatter(obj, ["cpu"] * k, dim)
+    assert isinstance(parts, (list, tuple)) and len(parts) == n, f"{len(parts)} parts, expected {n}"
+    for i, part in enumerate(parts):
+        assert_matches(part, rebuild_chunks(obj, i, k, dim), f"part {i}")
+    for j, t in enumerate(ts):
+        views = [c for c in (tensors_of(p)[j] for p in parts) if c.numel() and storage(c) == storage(t)]
+        assert len(views) <= 1, f"tensor {j}: {len(views)} chunks share its storage (host replicas need copies)"
+    if not any(isinstance(o, (int, float)) for o in leaves(obj)):  # (numbers cannot be gathered)
+        assert_matches(fastpar.gather(parts, "cpu", dim), obj, "gathered back", identical=False)
+
+
+def storage(t):
+    return t.untyped_storage().data_ptr()
+
+
+def leaves(obj):
+    if isinstance(obj, (tuple, list)) and len(obj):
+        return [x for o in obj for x in leaves(o)]
+    if isinstance(obj, dict) and len(obj):
+        return [x for o in obj.values() for x in leaves(o)]
+    return [obj]
+
+
+def rebuild_chunks(obj, i, k, dim):
+    """The structure device ``i`` gets: ``obj`` with each tensor's i-th torch.chunk."""
+    if isinstance(obj, torch.Tensor):
+        return obj.chunk(k, dim)[i]
+    if isinstance(obj, Pair):
+        return Pair(*(rebuild_chunks(o, i, k, dim) for o in obj))
+    if isinstance(obj, (tuple, list)) and len(obj):
+        return type(obj)(rebuild_chunks(o, i, k, dim) for o in obj)
+    if isinstance(obj, dict) and len(obj):
+        return type(obj)((key, rebuild_chunks(v, i, k, dim)) for key, v in obj.items())
+    return obj
+
+
+def gathered(outs, dim):
+    """What gathering the replicas' ``outs`` gives: their structure, with torch.cat of
+    the tensors at each place along ``dim``."""
+    out = outs[0]
+    if isinstance(out, torch.Tensor):
+        return torch.cat([o.resolve_neg() for o in outs], dim)
+    if isinstance(out, Pair):
+        return Pair(*(gathered(list(col), dim) for col in zip(*outs)))
+    if isinstance(out, (tuple, list)):
+        return type(out)(gathered(list(col), dim) for col in zip(*outs))
+    if isinstance(out, dict):
+        return type(out)((key, gathered([o[key] for o in outs], dim)) for key in out)
+    return out
+
+
+def replica_outputs(data, skeleton, k, dim, gen, flush_bf16=False):
+    """``k`` outputs shaped as ``skeleton``, each tensor with its own size along ``dim``
+    (0 included) and layout."""
+    def leaf(lf):
+        layout = data.draw(st.sampled_from(LAYOUTS), "layout")
+        return batched(Leaf(lf.rest, lf.dtype, layout), gen, data.draw(st.integers(0, 4), "size"), dim, flush_bf16)
+
+    return [rebuild(skeleton, leaf) for _ in range(k)]
+
+
+def check_gather(data, backend):
+    """The outputs of 1-4 replicas, any structure of tensors (any dtype, layout and size
+    along dim), None and strings: gathered onto the CPU, that structure with torch.cat of
+    each place's tensors (their bits) and the other objects as they were."""
+    skeleton = data.draw(structures(st.one_of(LEAVES, GATHERABLE)), "structure")
+    k, dim = data.draw(st.integers(1, 4), "replicas"), data.draw(DIMS, "dim")
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1), "seed"))
+    outs = replica_outputs(data, skeleton, k, dim, gen, flush_bf16=backend == "triton")
+    assert_matches(fastpar.gather(outs, "cpu", dim), gathered(outs, dim), f"gather of {skeleton}", identical=False)
+
+
+@pytest.mark.parametrize("be", ["numba", "torch"])
+@given(data=st.data())
+def test_gather_properties(be, data):
+    with fastpar.use_backend(be):
+        check_gather(data, be)
+
+
+@examples(6)
+@given(data=st.data())
+def test_gather_properties_triton_interpreter(data):
+    with fastpar.use_backend("triton"):
+        check_gather(data, "triton")
+
+
+@given(data=st.data())
+def test_scatter_kwargs_properties(data):
+    """Any positional and keyword structures (either may be empty), tensors sharing a
+    batch size: as many input and kwargs chunks as torch.chunk gives the batch (as many
+    as devices with no tensor anywhere; none when both are empty), each side's chunk i
+    its structure with chunk i of every tensor, an absent side padded with () or {}."""
+    item = structures(st.one_of(LEAVES, OBJECTS))
+    inputs = tuple(data.draw(st.lists(item, max_size=3), "inputs"))
+    kwargs = data.draw(st.dictionaries(st.sampled_from(["x", "y", "z"]), item, max_size=3), "kwargs")
+    k = data.draw(st.integers(1, 4), "devices")
+    dim, batch = data.draw(DIMS, "dim"), data.draw(st.integers(0, 9), "batch")
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1), "seed"))
+    inputs, kwargs = (rebuild(x, lambda leaf: batched(leaf, gen, batch, dim)) for x in (inputs, kwargs))
+    if tensors_of(inputs) or tensors_of(kwargs):
+        n = len(torch.empty(batch).chunk(k))
+    else:
+        n = k if inputs or kwargs else 0
+    ins, kws = scatter_kwargs(inputs, kwargs, ["cpu"] * k, dim)
+    assert type(ins) is tuple and type(kws) is tuple, (type(ins), type(kws))
+    assert len(ins) == len(kws) == n, f"{len(ins)} input and {len(kws)} kwargs chunks, expected {n}"
+    for i in range(n):
+        if inputs:
+            assert_matches(ins[i], rebuild_chunks(inputs, i, k, dim), f"inputs chunk {i}")
+        else:
+            assert ins[i] == (), ins[i]
+        if kwargs:
+            assert_matches(kws[i], rebuild_chunks(kwargs, i, k, dim), f"kwargs chunk {i}")
+        else:
+            assert type(kws[i]) is dict and kws[i] == {}, kws[i]
+
+
+def nodes(obj, path=()):
+    """``(path, node)`` for ``obj`` and everything inside it."""
+    yield path, obj
+    if isinstance(obj, (tuple, list)):
+        for i, o in enumerate(obj):
+            yield from nodes(o, (*path, i))
+    elif isinstance(obj, dict):
+        for key, o in obj.items():
+            yield from nodes(o, (*path, key))
+
+
+def replace_at(obj, path, fn):
+    """``obj`` with the node at ``path`` replaced by ``fn(node)`` (containers rebuilt)."""
+    if not path:
+        return fn(obj)
+    head, rest = path[0], path[1:]
+    if isinstance(obj, dict):
+        return type(obj)((key, replace_at(v, rest, fn) if key == head else v) for key, v in obj.items())
+    items = [replace_at(o, rest, fn) if i == head else o for i, o in enumerate(obj)]
+    return Pair(*items) if isinstance(obj, Pair) else type(obj)(items)
+
+
+@given(data=st.data())
+def test_gather_refusals_name_the_replica(data):
+    """The outputs of 2-4 replicas, one of which differs at one place: a shorter list or
+    tuple, a dict with another key, something else where the others have a tensor, a
+    different string, a tensor of another size outside dim: refused, naming that
+    replica (or its tensor). And scatter_kwargs of tensors whose batch sizes split into
+    different numbers of chunks: refused, saying so."""
+    k, dim = data.draw(st.integers(2, 4), "replicas"), data.draw(DIMS, "dim")
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1), "seed"))
+    if data.draw(st.integers(0, 5), "scatter_kwargs") == 0:
+        leaf = data.draw(LEAVES, "leaf")
+        b_in, b_kw = data.draw(st.integers(0, 9), "input batch"), data.draw(st.integers(0, 9), "kwargs batch")
+        x, y = batched(leaf, gen, b_in, dim), batched(leaf, gen, b_kw, dim)
+        c_in, c_kw = len(torch.empty(b_in).chunk(k)), len(torch.empty(b_kw).chunk(k))
+        if c_in == c_kw:
+            ins, kws = scatter_kwargs((x,), {"y": y}, ["cpu"] * k, dim)
+            assert len(ins) == len(kws) == c_in
+        else:
+            with pytest.raises(ValueError, match=rf"inputs split into {c_in} chunks along dim {dim} but kwargs into {c_kw}"):
+                scatter_kwargs((x,), {"y": y}, ["cpu"] * k, dim)
+        return
+    skeleton = [data.draw(structures(st.one_of(LEAVES, GATHERABLE)), "structure"), data.draw(LEAVES, "leaf")]
+    outs = replica_outputs(data, skeleton, k, dim, gen)
+    j = data.draw(st.integers(1, k - 1), "replica")
+    where = list(nodes(outs[j]))
+    kinds = {
+        "length": [p for p, o in where if isinstance(o, (tuple, list)) and not isinstance(o, Pair) and o],
+        "keys": [p for p, o in where if isinstance(o, dict) and o],
+        "kind": [p for p, o in where if isinstance(o, torch.Tensor)],
+        "string": [p for p, o in where if isinstance(o, (str, bytes))],
+    }
+    kind = data.draw(st.sampled_from(sorted(kw for kw, ps in kinds.items() if ps) + ["shape"]), "wrong")
+    path = data.draw(st.sampled_from(kinds.get(kind) or kinds["kind"]), "where")
+    if kind == "length":
+        def fn(o):
+            return type(o)(o[:-1])
+        exc, match = ValueError, r"the replicas returned (list|tuple)s of different lengths \["
+    elif kind == "keys":
+        def fn(o):
+            return type(o)((("zz" if i == 0 else key), v) for i, (key, v) in enumerate(o.items()))
+        exc, match = ValueError, rf"the replicas returned dicts with different keys: replica 0 .*, replica {j} "
+    elif kind == "kind":
+        other = data.draw(st.sampled_from([None, 1.0, "t", [0.0], {"a": 1}]), "instead")
+
+        def fn(o):
+            return other
+        exc, match = TypeError, rf"replica 0 returned a tensor where replica {j} returned {type(other).__name__}"
+    elif kind == "string":
+        def fn(o):
+            return o + o[:0] + (b"!" if isinstance(o, bytes) else "!")
+        exc, match = TypeError, r"the replicas returned different (str|bytes)s at one position"
+    else:
+        def fn(o):
+            shape = list(o.shape)
+            shape[0 if dim != 0 else 1] += 1
+            return torch.zeros(shape, dtype=o.dtype)
+        exc, match = ValueError, rf"tensors\[{j}\] \(on cpu\) has shape .* incompatible with tensors\[0\]"
+    outs[j] = replace_at(outs[j], path, fn)
+    with pytest.raises(exc, match=match):
+        fastpar.gather(outs, "cpu", dim)
