@@ -152,6 +152,19 @@ class Group(_Numel):
             )
         return hit
 
+    def as_words(self) -> "Group":
+        """This group's bytes as 8-byte words (``int64``, twice the elements): how a raw
+        copy moves 16-byte elements (complex128), which no Triton type holds. The
+        tensors must be contiguous (a staged group's are)."""
+        hit = self._blocks.get("words")
+        if hit is None:
+            words = tuple(t.view(-1).view(torch.int64) for t in self.tensors)
+            hit = self._blocks["words"] = Group(
+                torch.int64, self.device, self.index, words, self.addrs, self.numels * 2, self.offsets * 2,
+                transient=self.transient,
+            )
+        return hit
+
     def aligned(self, elem_align: int) -> bool:
         """True when every address is 16-byte aligned and every numel and offset is a
         multiple of ``elem_align`` elements, so whole vectors never straddle tensors."""

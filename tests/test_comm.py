@@ -1272,7 +1272,7 @@ def test_gather_minus_one_warning_points_at_the_caller():
 
 import functools  # noqa: E402
 
-from conftest import LAYOUTS, assert_same_bits, build, examples, tensor_specs  # noqa: E402
+from conftest import CPU_BACKENDS, LAYOUTS, assert_same_bits, build, examples, tensor_specs  # noqa: E402
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -1354,8 +1354,6 @@ def check_reduce(data, backend):
     specials = REDUCE_SPECIALS if data.draw(st.booleans(), "specials") else False
     gen = seeded(data)
     rows = [[lay for _, _, lay in specs], *others]
-    if backend == "torch":  # every replica laid out alike: see test_torch_backend_reduce_of_staged_and_direct_lists
-        rows = [rows[0]] * k
     lists = [[build((s, d, lay), gen, specials=specials, flush_bf16=backend == "triton")
               for (s, d, _), lay in zip(specs, row)] for row in rows]
     inputs = [t for lst in lists for t in lst]
@@ -1400,26 +1398,31 @@ def test_reduce_properties_triton_interpreter(data):
         check_reduce(data, "triton")
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "fastpar bug (found by test_reduce_properties): the torch backend's reduce_add adds a staged "
-    "(packed: its list holds a non-contiguous tensor) source's 1-D piece to a direct source's N-D "
-    "tensor: a shape mismatch (RuntimeError) for any 2+-D position; numba and triton read both flat"))
-def test_torch_backend_reduce_of_staged_and_direct_lists():
-    a, b = torch.randn(3, 2), torch.randn(2, 3).t()  # b: not contiguous, so inputs[1] is packed
-    with fastpar.use_backend("torch"):
-        (r,) = comm.reduce_add_coalesced([[a], [b]], "cpu")
-    assert_close(r, a.double() + b.double(), tol=reduce_tol(torch.float32, 2))
+@pytest.mark.parametrize("be", CPU_BACKENDS)
+def test_reduce_of_packed_and_direct_lists(be):
+    """One replica's list holds a non-contiguous tensor (so it is packed, read as 1-D
+    pieces), the other's is read in place (N-D tensors): the sources of one position
+    differ in shape (the torch backend once added them as they were: a RuntimeError)."""
+    a, b = torch.randn(3, 2), torch.randn(2, 3).t()
+    c, d = torch.randn(4, 1, 2), torch.randn(4, 1, 2)
+    with fastpar.use_backend(be):
+        r = comm.reduce_add_coalesced([[a, c], [b, d]], "cpu")
+    assert_close(r[0], a.double() + b.double(), tol=reduce_tol(torch.float32, 2), what="position 0")
+    assert_close(r[1], c.double() + d.double(), tol=reduce_tol(torch.float32, 2), what="position 1")
 
 
-@pytest.mark.xfail(strict=True, raises=KeyError, reason=(
-    "fastpar bug (found by test_broadcast_coalesced_properties): the Triton broadcast kernel's "
-    "raw copy has no 16-byte type (RAW_BY_SIZE), so complex128 tensors fail with KeyError: 16 "
-    "(the launcher is the one CUDA uses; numba and torch copy them)"))
-def test_triton_broadcast_coalesced_complex128():
-    t = torch.randn(5, dtype=torch.complex128)
-    with fastpar.use_backend("triton"):
-        copies = comm.broadcast_coalesced([t], ["cpu", "cpu"])
-    assert torch.equal(copies[1][0], t)
+@pytest.mark.parametrize("be", CPU_BACKENDS)
+def test_broadcast_coalesced_complex128(be):
+    """16-byte elements (complex128, which no Triton type holds) are copied as pairs of
+    8-byte words, conjugated and non-contiguous ones included (found by
+    test_broadcast_coalesced_properties: the Triton launcher raised KeyError: 16)."""
+    ts = [torch.randn(5, dtype=torch.complex128), torch.randn(3, 4, dtype=torch.complex128).t(),
+          torch.randn((), dtype=torch.complex128), torch.randn(2, dtype=torch.complex128).conj(), torch.randn(3)]
+    with fastpar.use_backend(be):
+        copies = comm.broadcast_coalesced(ts, ["cpu", "cpu", "cpu"])
+    for d in (1, 2):
+        for i, (c, t) in enumerate(zip(copies[d], ts)):
+            assert c.shape == t.shape and torch.equal(c.resolve_conj(), t.resolve_conj()), f"copies[{d}][{i}]"
 
 
 def check_broadcast_coalesced(data, backend):
@@ -1427,9 +1430,7 @@ def check_broadcast_coalesced(data, backend):
     replicas: outputs[0] are the inputs themselves; every other device's outputs hold
     their bits exactly, in one storage of their own (not the inputs', not another
     device's), not requiring grad; the inputs are left as they were."""
-    # (Not complex128 on Triton: see test_triton_broadcast_coalesced_complex128.)
-    dtypes = [d for d in COPY_DTYPES if backend != "triton" or d != torch.complex128]
-    specs = data.draw(st.lists(tensor_specs(dtypes), min_size=1, max_size=8), "specs")
+    specs = data.draw(st.lists(tensor_specs(COPY_DTYPES), min_size=1, max_size=8), "specs")
     n = data.draw(st.integers(1, 4), "devices")
     gen = seeded(data)
     ts = [build(s, gen, specials=True, flush_bf16=backend == "triton") for s in specs]

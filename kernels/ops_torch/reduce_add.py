@@ -20,7 +20,9 @@ def reduce_add(group) -> None:
     acc_dtype = _ACC.get(group.dtype, group.dtype if group.dtype.is_floating_point else torch.int64)
     sources = [_per_tensor(s, group.numels) for s in group.sources]
     for t, dst in enumerate(_per_tensor(group.destinations, group.numels)):
-        acc = sources[0][t].to(group.device, acc_dtype)
+        # Flat pieces: a source may be the tensor itself (N-D) or its piece of a packed
+        # buffer (1-D), and the sources of one position mix the two.
+        acc = sources[0][t].reshape(-1).to(group.device, acc_dtype)
         for src in sources[1:]:
-            acc = acc + src[t].to(group.device, acc_dtype)
-        dst.copy_(acc.reshape(dst.shape))
+            acc = acc + src[t].reshape(-1).to(group.device, acc_dtype)
+        dst.copy_(acc.view(dst.shape))
