@@ -1555,9 +1555,7 @@ def check_gather(data, backend):
     mixed = data.draw(st.booleans(), "mixed dtypes")
     pick = st.sampled_from(ALL_DTYPES if mixed else COPY_DTYPES)
     dtypes = data.draw(st.lists(pick, min_size=n, max_size=n), "dtypes") if mixed else [data.draw(pick, "dtype")] * n
-    # (Lazily negated inputs only when no dtype changes: torch 2.13's copy_ from a negated
-    # float16 view into float32 drops the negation, and gather converts with copy_.)
-    layouts = data.draw(st.lists(st.sampled_from([lay for lay in LAYOUTS if not mixed or lay != "negative"]),
+    layouts = data.draw(st.lists(st.sampled_from(LAYOUTS),
                                  min_size=n, max_size=n), "layouts")
     into = data.draw(st.sampled_from(["cpu", *WRITABLE]), "destination or out layout")
     dst = data.draw(pick, "out dtype") if mixed and into != "cpu" else dtypes[0]
@@ -1596,6 +1594,20 @@ def test_gather_properties(be, data):
 def test_gather_properties_triton_interpreter(data):
     with fastpar.use_backend("triton"):
         check_gather(data, "triton")
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float16), (torch.float16, torch.float32)], ids=str)
+def test_gather_converts_negated_views(dtypes):
+    """torch 2.13's ``copy_`` from a lazily negated float16 tensor into float32 (and back)
+    drops the negation (found by test_gather_properties); gather resolves it first."""
+    first, second = dtypes
+    t = torch._neg_view(torch.tensor([1.0, -2.0, 3.0], dtype=second).neg())  # logically [1, -2, 3]
+    ones = torch.ones(2, dtype=first)
+    want = torch.tensor([1.0, 1.0, 1.0, -2.0, 3.0], dtype=first)
+    assert torch.equal(comm.gather([ones, t], 0, "cpu"), want)
+    out = poisoned(5, dtype=first)
+    comm.gather([ones, t], 0, out=out)
+    assert torch.equal(out, want)
 
 
 def other_dtype(data, dtype, dtypes, label):
