@@ -31,6 +31,29 @@ def examples(n: int) -> settings:
     return settings(max_examples=max(1, n * settings.default.max_examples // _CI_EXAMPLES))
 
 
+def backend_properties(check, *, triton_examples: int):
+    """The property ``check(data, backend)`` as the two tests each backend property
+    gets: on numba and torch (the profile's examples), and under the Triton interpreter
+    (``triton_examples``: see :func:`examples`), each inside ``fastpar.use_backend``.
+    Assign them to two ``test_*`` names of the test module."""
+    import fastpar
+    from hypothesis import given
+
+    @pytest.mark.parametrize("be", ["numba", "torch"])
+    @given(data=st.data())
+    def on_cpu_backends(be, data):
+        with fastpar.use_backend(be):
+            check(data, be)
+
+    @examples(triton_examples)
+    @given(data=st.data())
+    def under_triton_interpreter(data):
+        with fastpar.use_backend("triton"):
+            check(data, "triton")
+
+    return on_cpu_backends, under_triton_interpreter
+
+
 #: (rtol, atol) against a float64 reference, per result dtype. For 16-bit floats: one
 #: rounding to nearest (unit roundoff 2**-11 for float16, 2**-8 for bfloat16) plus a
 #: float32 rounding of the computation before it; atol is half a float16 subnormal

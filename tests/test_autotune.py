@@ -654,10 +654,6 @@ def test_time_cpu_rotates_which_variant_runs_first():
     assert order == [0, 1, 2, 1, 2, 0, 2, 0, 1]
 
 
-def _cand(params, times):
-    return {"params": params, **autotune._stats(times)}
-
-
 def test_pick_needs_clearly_more_than_half_the_rounds():
     # A 2x faster median but faster in only 16 of 30 rounds (needs 16 >= 15 + sqrt(30)).
     d = {"chunk": 65536}

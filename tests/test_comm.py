@@ -1272,7 +1272,7 @@ def test_gather_minus_one_warning_points_at_the_caller():
 
 import functools  # noqa: E402
 
-from conftest import CPU_BACKENDS, LAYOUTS, assert_same_bits, build, examples, tensor_specs  # noqa: E402
+from conftest import CPU_BACKENDS, LAYOUTS, assert_same_bits, backend_properties, build, tensor_specs  # noqa: E402
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -1384,18 +1384,8 @@ def check_reduce(data, backend):
     assert_unchanged(inputs, before, what=f"{what}: inputs")
 
 
-@pytest.mark.parametrize("be", ["numba", "torch"])
-@given(data=st.data())
-def test_reduce_properties(be, data):
-    with fastpar.use_backend(be):
-        check_reduce(data, be)
-
-
-@examples(6)
-@given(data=st.data())
-def test_reduce_properties_triton_interpreter(data):
-    with fastpar.use_backend("triton"):
-        check_reduce(data, "triton")
+test_reduce_properties, test_reduce_properties_triton_interpreter = backend_properties(
+    check_reduce, triton_examples=6)
 
 
 @pytest.mark.parametrize("be", CPU_BACKENDS)
@@ -1450,18 +1440,8 @@ def check_broadcast_coalesced(data, backend):
     assert_unchanged(ts, before, what=f"{what}: inputs")
 
 
-@pytest.mark.parametrize("be", ["numba", "torch"])
-@given(data=st.data())
-def test_broadcast_coalesced_properties(be, data):
-    with fastpar.use_backend(be):
-        check_broadcast_coalesced(data, be)
-
-
-@examples(6)
-@given(data=st.data())
-def test_broadcast_coalesced_properties_triton_interpreter(data):
-    with fastpar.use_backend("triton"):
-        check_broadcast_coalesced(data, "triton")
+test_broadcast_coalesced_properties, test_broadcast_coalesced_properties_triton_interpreter = backend_properties(
+    check_broadcast_coalesced, triton_examples=6)
 
 
 @given(data=st.data())
@@ -1582,18 +1562,8 @@ def check_gather(data, backend):
     assert_unchanged(ts, before, what=f"{what}: inputs")
 
 
-@pytest.mark.parametrize("be", ["numba", "torch"])
-@given(data=st.data())
-def test_gather_properties(be, data):
-    with fastpar.use_backend(be):
-        check_gather(data, be)
-
-
-@examples(6)
-@given(data=st.data())
-def test_gather_properties_triton_interpreter(data):
-    with fastpar.use_backend("triton"):
-        check_gather(data, "triton")
+test_gather_properties, test_gather_properties_triton_interpreter = backend_properties(
+    check_gather, triton_examples=6)
 
 
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float16), (torch.float16, torch.float32)], ids=str)

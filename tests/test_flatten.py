@@ -1518,12 +1518,12 @@ def test_kernel_refuses_cuda_graph_capture(monkeypatch):
 # Properties (hypothesis): random lists of tensors, layouts, dtypes and scales against
 # torch's own conversions, and random sequences of in-place changes against the plan cache.
 
-from hypothesis import given, settings  # noqa: E402
+from hypothesis import settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule  # noqa: E402
 from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
 
-from conftest import LAYOUTS, assert_same_bits, build, examples, tensor_specs  # noqa: E402
+from conftest import LAYOUTS, assert_same_bits, backend_properties, build, examples, tensor_specs  # noqa: E402
 
 def expected_flatten(ts, dtype, scale):
     """What the docstring promises, per tensor: ``Tensor.to(dtype)``, or with a scale
@@ -1599,20 +1599,10 @@ def check_unflatten_into(data, backend):
                          nan_payloads=True)
 
 
-@pytest.mark.parametrize("check", [check_flatten, check_unflatten_into], ids=["flatten", "unflatten_into"])
-@pytest.mark.parametrize("be", ["numba", "torch"])
-@given(data=st.data())
-def test_copy_properties(be, check, data):
-    with fastpar.use_backend(be):
-        check(data, be)
-
-
-@pytest.mark.parametrize("check", [check_flatten, check_unflatten_into], ids=["flatten", "unflatten_into"])
-@examples(8)
-@given(data=st.data())
-def test_copy_properties_triton_interpreter(check, data):
-    with fastpar.use_backend("triton"):
-        check(data, "triton")
+test_flatten_properties, test_flatten_properties_triton_interpreter = backend_properties(
+    check_flatten, triton_examples=8)
+test_unflatten_into_properties, test_unflatten_into_properties_triton_interpreter = backend_properties(
+    check_unflatten_into, triton_examples=8)
 
 
 STATE_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32]

@@ -731,10 +731,9 @@ def test_layout_takes_lists_as_tuples():
 # packed on every CPU backend against expected_pack, bit for bit; flatten_parameters on
 # the same modules (views of the buffer, or refused for tied weights).
 
-from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from conftest import examples, rand  # noqa: E402
+from conftest import backend_properties, rand  # noqa: E402
 
 PROP_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 #: How a weight's values are laid out in memory ("negative": a lazy negative view, for
@@ -899,23 +898,13 @@ def check_flatten_property(case, backend):
         assert_same_bits(a, b, f"{cfg} {case['src']}: result {i} vs the torch-placed module's", nan_payloads=True)
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
-@pytest.mark.parametrize("be", ["numba", "torch"])
-@given(data=st.data())
-def test_pack_and_flatten_properties(be, data):
-    case = data.draw(rnn_cases(be), "case")
-    with fastpar.use_backend(be):
-        check_pack_property(case, be)
-        if case["dst"] == case["src"]:
-            check_flatten_property(case, be)
+def check_rnn_case(data, backend):
+    case = data.draw(rnn_cases(backend), "case")
+    check_pack_property(case, backend)
+    if case["dst"] == case["src"]:
+        check_flatten_property(case, backend)
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # interpreter, on inf
-@examples(5)
-@given(data=st.data())
-def test_pack_and_flatten_properties_triton_interpreter(data):
-    case = data.draw(rnn_cases("triton"), "case")
-    with fastpar.use_backend("triton"):
-        check_pack_property(case, "triton")
-        if case["dst"] == case["src"]:
-            check_flatten_property(case, "triton")
+_overflow_ok = pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # on inf
+test_pack_and_flatten_properties, test_pack_and_flatten_properties_triton_interpreter = map(
+    _overflow_ok, backend_properties(check_rnn_case, triton_examples=5))

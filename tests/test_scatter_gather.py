@@ -249,7 +249,7 @@ def test_gather_passes_none_through():
 # each tensor's chunk of torch.chunk in it; gathered, the per-device outputs give torch.cat;
 # mismatched outputs are refused naming the replica.
 
-from conftest import LAYOUTS, assert_same_bits, build, examples  # noqa: E402
+from conftest import LAYOUTS, assert_same_bits, backend_properties, build  # noqa: E402
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -440,18 +440,8 @@ def check_gather(data, backend):
     assert_matches(fastpar.gather(outs, "cpu", dim), gathered(outs, dim), f"gather of {skeleton}", identical=False)
 
 
-@pytest.mark.parametrize("be", ["numba", "torch"])
-@given(data=st.data())
-def test_gather_properties(be, data):
-    with fastpar.use_backend(be):
-        check_gather(data, be)
-
-
-@examples(6)
-@given(data=st.data())
-def test_gather_properties_triton_interpreter(data):
-    with fastpar.use_backend("triton"):
-        check_gather(data, "triton")
+test_gather_properties, test_gather_properties_triton_interpreter = backend_properties(
+    check_gather, triton_examples=6)
 
 
 @given(data=st.data())
