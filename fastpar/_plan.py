@@ -155,10 +155,11 @@ class Group(_Numel):
     def as_words(self) -> "Group":
         """This group's bytes as 8-byte words (``int64``, twice the elements): how a raw
         copy moves 16-byte elements (complex128), which no Triton type holds. The
-        tensors must be contiguous (a staged group's are)."""
+        tensors must be contiguous (a staged group's are; their strides may still be
+        anything where a size is 0 or 1, hence ``as_strided``)."""
         hit = self._blocks.get("words")
         if hit is None:
-            words = tuple(t.view(-1).view(torch.int64) for t in self.tensors)
+            words = tuple(t.as_strided((t.numel(),), (1,)).view(torch.int64) for t in self.tensors)
             hit = self._blocks["words"] = Group(
                 torch.int64, self.device, self.index, words, self.addrs, self.numels * 2, self.offsets * 2,
                 transient=self.transient,

@@ -1406,8 +1406,10 @@ def test_broadcast_coalesced_complex128(be):
     """16-byte elements (complex128, which no Triton type holds) are copied as pairs of
     8-byte words, conjugated and non-contiguous ones included (found by
     test_broadcast_coalesced_properties: the Triton launcher raised KeyError: 16)."""
+    c = torch.randn(12, dtype=torch.complex128)
     ts = [torch.randn(5, dtype=torch.complex128), torch.randn(3, 4, dtype=torch.complex128).t(),
-          torch.randn((), dtype=torch.complex128), torch.randn(2, dtype=torch.complex128).conj(), torch.randn(3)]
+          torch.randn((), dtype=torch.complex128), torch.randn(2, dtype=torch.complex128).conj(), torch.randn(3),
+          c[::2][:0], c.as_strided((1, 2), (5, 1), 3)]  # contiguous, with strides of any size 0 or 1 dim
     with fastpar.use_backend(be):
         copies = comm.broadcast_coalesced(ts, ["cpu", "cpu", "cpu"])
     for d in (1, 2):
