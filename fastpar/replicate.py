@@ -193,15 +193,21 @@ def _member_name(network, t) -> str:
 
 
 def _rnn_groups(modules, tensors):
-    """RNN modules whose weights are all among ``tensors``, with their positions."""
+    """RNN modules whose weights are all among ``tensors``, with their positions: the
+    ones a replica can hold packed. A replica's weight is one tensor, so it sits in one
+    buffer: an RNN whose weights repeat one Parameter, or that shares one with an RNN
+    listed before it, is left out (its weights are copied like any parameter)."""
     index = {id(t): i for i, t in enumerate(tensors)}
-    groups = []
+    groups, claimed = [], set()
     for m in modules:
         if isinstance(m, torch.nn.RNNBase):
             weights = [getattr(m, n, None) for n in m._flat_weights_names]
             if weights and all(w is not None and id(w) in index for w in weights) \
                     and len({w.dtype for w in weights}) == 1:
-                groups.append((m, [index[id(w)] for w in weights]))
+                pos = [index[id(w)] for w in weights]
+                if len(set(pos)) == len(pos) and claimed.isdisjoint(pos):
+                    groups.append((m, pos))
+                    claimed.update(pos)
     return groups
 
 

@@ -440,6 +440,30 @@ def test_rnn_with_weights_of_two_dtypes_replicates_generically():
         assert q.dtype == p.dtype and torch.equal(q, p), n
 
 
+def test_rnns_sharing_a_weight():
+    """A replica's weight is one tensor in one buffer: of two RNNs sharing a Parameter,
+    the first is packed and the second holds the shared weight where the first's layout
+    put it (the tie kept); an RNN repeating one Parameter is not packed (found by the
+    replicate property: the second RNN's pack overwrote the first's view, leaving the
+    first unpacked after a wasted pack)."""
+    a, b, c = nn.GRU(4, 4), nn.GRU(4, 4), nn.GRU(4, 4)
+    b.weight_hh_l0 = a.weight_hh_l0
+    c.weight_ih_l0 = c.weight_hh_l0
+    net = nn.Sequential(a, b, c)
+    with fastpar.count_launches() as n:
+        reps = replicate(net, ["cpu", "cpu", "cpu"])
+    for j in (1, 2):
+        ra, rb, rc = reps[j]
+        assert rnn.is_flat(ra), f"replica {j}: the first RNN is packed"
+        assert rb.weight_hh_l0 is ra.weight_hh_l0 and rc.weight_ih_l0 is rc.weight_hh_l0, f"replica {j}: ties"
+        for m, r in zip(net, reps[j]):
+            for name, p in m.named_parameters():
+                assert torch.equal(getattr(r, name), p), f"replica {j}: {name}"
+    # One launch for the plain copies (one dtype), one packing the first RNN for both
+    # replicas: no pack for the others.
+    assert n.total == 2, n.by_op
+
+
 def test_global_registration_hooks_fire_for_replica_buffers():
     from torch.nn.modules.module import register_module_buffer_registration_hook
     seen = []
@@ -708,18 +732,23 @@ def _check_like_torch(net, fp_reps, th_reps, detach):
 
 
 def _check_rnns(net, fp_reps, flat_before):
+    claimed = set()  # weights of the RNNs packed so far: a weight sits in one buffer
     for i, m in enumerate(net.modules()):
         if not isinstance(m, nn.RNNBase):
             continue
         assert [id(w) for w in m._flat_weights] == flat_before[i], "the source's _flat_weights changed"
+        ids = [id(w) for w in m._flat_weights]
+        packable = len(set(ids)) == len(ids) and claimed.isdisjoint(ids)  # no weight tied within or to an earlier RNN
+        if packable:
+            claimed.update(ids)
         for j, rep in enumerate(fp_reps):
             r = list(rep.modules())[i]
             assert all(w is getattr(r, n) for w, n in zip(r._flat_weights, r._flat_weights_names)), f"replica {j}"
             if j == 0:
                 continue
-            tied = len({id(w) for w in m._flat_weights}) < len(m._flat_weights)
-            assert tied or rnn.is_flat(r), f"replica {j}: RNN {i} not packed in its layout"
-            assert all(ref() is w for ref, w in zip(r._flat_weight_refs, r._flat_weights)), f"replica {j}: refs"
+            if packable:  # (an RNN left unpacked keeps the source's refs, as torch's replicate leaves them)
+                assert rnn.is_flat(r), f"replica {j}: RNN {i} not packed in its layout"
+                assert all(ref() is w for ref, w in zip(r._flat_weight_refs, r._flat_weights)), f"replica {j}: refs"
 
 
 def _grads(net):
