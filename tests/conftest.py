@@ -106,11 +106,15 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, dtype=None, wh
 
 
 def assert_same_bits(actual, expected, what: str = "", *, nan_payloads: bool = False):
-    """``actual`` holds exactly ``expected``'s bits: values first (:func:`assert_close`
-    with no tolerance: names the worst element and any NaN poison left), then the bits
-    (signed zeros). With ``nan_payloads``, a NaN matches any NaN: torch's own conversion
-    paths give bfloat16 NaNs different payloads."""
+    """``actual`` holds exactly ``expected``'s shape, dtype and bits: values first
+    (:func:`assert_close` with no tolerance: names the worst element and any NaN poison
+    left), then the bits (signed zeros); complex tensors as their real views. With
+    ``nan_payloads``, a NaN matches any NaN: torch's own conversion paths give bfloat16
+    NaNs different payloads."""
     assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    if actual.is_complex():
+        actual, expected = (torch.view_as_real(x.resolve_conj().contiguous()) for x in (actual, expected))
     assert_close(actual, expected, what=what, tol=(0, 0))
     ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[actual.element_size()]
     a, e = actual.detach().cpu(), expected.detach().cpu()
@@ -177,6 +181,17 @@ def rand(shape, dtype, *, gen=None, device="cpu") -> torch.Tensor:
 
 # Inputs for property tests (hypothesis): shapes, dtypes and layouts drawn, values from
 # a seeded torch.Generator.
+def seeded(data) -> torch.Generator:
+    """A torch.Generator seeded by a value drawn from hypothesis' ``data`` (so a failing
+    example replays its tensors too)."""
+    return torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1), "seed"))
+
+
+def storage_of(t: torch.Tensor) -> int:
+    """Address of ``t``'s storage (tensors sharing one have the same)."""
+    return t.untyped_storage().data_ptr()
+
+
 LAYOUTS = ["contiguous", "transposed", "stepped", "offset", "expanded", "negative"]
 #: Values that stress the conversions of float -> float (not float -> integer: C++
 #: leaves NaN, infinities and out-of-range values undefined there, and torch with it).

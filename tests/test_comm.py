@@ -1272,7 +1272,8 @@ def test_gather_minus_one_warning_points_at_the_caller():
 
 import functools  # noqa: E402
 
-from conftest import CPU_BACKENDS, LAYOUTS, assert_same_bits, backend_properties, build, tensor_specs  # noqa: E402
+from conftest import (  # noqa: E402
+    CPU_BACKENDS, LAYOUTS, assert_same_bits, backend_properties, build, seeded, storage_of, tensor_specs)
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -1285,10 +1286,6 @@ WRITABLE = ["contiguous", "transposed", "stepped", "offset"]
 #: Special values whose float64 sum is also the one float32 (or float64) accumulation
 #: gives: signed zeros, infinities, NaN (no finite values near a 16-bit type's overflow).
 REDUCE_SPECIALS = [0.0, -0.0, float("inf"), float("-inf"), float("nan")]
-
-
-def seeded(data) -> torch.Generator:
-    return torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1), "seed"))
 
 
 def target(spec, gen, against=None):
@@ -1306,19 +1303,7 @@ def assert_written(base, t, expected, what, *, nan_payloads=False):
     """``base`` holds its poison except where its view ``t`` now holds ``expected``."""
     want = base.clone()
     torch.as_strided(want, t.shape, t.stride(), t.storage_offset()).copy_(expected)
-    same_bits(base, want, what, nan_payloads=nan_payloads)
-
-
-def same_bits(actual, expected, what, *, nan_payloads=False):
-    """:func:`assert_same_bits`, complex tensors compared as their real views."""
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    if actual.is_complex():
-        actual, expected = (torch.view_as_real(x.resolve_conj().contiguous()) for x in (actual, expected))
-    assert_same_bits(actual, expected, what, nan_payloads=nan_payloads)
-
-
-def storage_of(t):
-    return t.untyped_storage().data_ptr()
+    assert_same_bits(base, want, what, nan_payloads=nan_payloads)
 
 
 def describe(specs):
@@ -1435,7 +1420,7 @@ def check_broadcast_coalesced(data, backend):
         assert len(copies[d]) == len(ts), what
         for i, (c, t) in enumerate(zip(copies[d], ts)):
             assert c.dtype == t.dtype and not c.requires_grad and not c.is_neg(), f"{what}: copies[{d}][{i}]"
-            same_bits(c, t.resolve_neg(), f"{what}: copies[{d}][{i}]")
+            assert_same_bits(c, t.resolve_neg(), f"{what}: copies[{d}][{i}]")
         mine = {storage_of(c) for c in copies[d] if c.numel()}
         assert len(mine) <= 1 and not mine & seen, f"{what}: copies[{d}] are not in one storage of their own"
         seen |= mine
@@ -1462,7 +1447,7 @@ def test_broadcast_properties(data):
     assert type(res) is tuple and len(res) == n and res[0] is t, what
     storages = [storage_of(r) for r in res[1:]]
     for i, r in enumerate(res[1:], 1):
-        same_bits(r, want, f"{what}: result[{i}]")
+        assert_same_bits(r, want, f"{what}: result[{i}]")
     if t.numel():
         assert len(set(storages)) == n - 1 and storage_of(t) not in storages, f"{what}: copies share memory"
     targets = [target((spec[0], spec[1], lay), gen, want)
@@ -1516,7 +1501,7 @@ def test_scatter_properties(data):
         res = comm.scatter(t, ["cpu"] * k, chunk_sizes=sizes, dim=dim)
         assert type(res) is tuple and len(res) == len(want), f"{what}: {len(res)} chunks, torch gives {len(want)}"
         for i, (r, w) in enumerate(zip(res, want)):
-            same_bits(r.resolve_neg(), w.resolve_neg(), f"{what}: chunk {i} of {sizes}")
+            assert_same_bits(r.resolve_neg(), w.resolve_neg(), f"{what}: chunk {i} of {sizes}")
             assert (r.data_ptr(), r.stride(), r.is_neg()) == (w.data_ptr(), w.stride(), w.is_neg()), \
                 f"{what}: chunk {i} is not the view torch's split gives"
     assert_unchanged([t], before, what=f"{what}: tensor")
@@ -1556,7 +1541,7 @@ def check_gather(data, backend):
     if into == "cpu":
         got = comm.gather(ts, dim, "cpu")
         assert got.dtype == dst, what
-        same_bits(got, exp, what, nan_payloads=mixed)
+        assert_same_bits(got, exp, what, nan_payloads=mixed)
     else:
         o, base = target((exp.shape, dst, into), gen, exp)
         assert comm.gather(ts, dim, out=o) is o, what

@@ -1523,7 +1523,8 @@ from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule  # noqa: E402
 from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
 
-from conftest import LAYOUTS, assert_same_bits, backend_properties, build, examples, tensor_specs  # noqa: E402
+from conftest import (  # noqa: E402
+    LAYOUTS, assert_same_bits, backend_properties, build, examples, seeded, tensor_specs)
 
 def expected_flatten(ts, dtype, scale):
     """What the docstring promises, per tensor: ``Tensor.to(dtype)``, or with a scale
@@ -1553,7 +1554,7 @@ def check_flatten(data, backend):
     dst = data.draw(st.sampled_from(CAST_DTYPES), "dst") if cast else specs[0][1]
     floats_only = dst.is_floating_point and all(s[1].is_floating_point for s in specs)
     scale = data.draw(SCALES, "scale") if floats_only else None
-    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1), "seed"))
+    gen = seeded(data)
     ts = [build(s, gen, specials=floats_only, flush_bf16=backend == "triton") for s in specs]
     if not dst.is_floating_point:  # float -> int only for values inside the int's range
         ts = [t.clamp(-100, 100) if t.dtype.is_floating_point else t for t in ts]
@@ -1583,7 +1584,7 @@ def check_unflatten_into(data, backend):
              data.draw(st.lists(tensor_specs(CAST_DTYPES), min_size=1, max_size=8), "specs")]
     floats_only = src.is_floating_point and all(d.is_floating_point for _, d, _ in specs)
     scale = data.draw(SCALES, "scale") if floats_only else None
-    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1), "seed"))
+    gen = seeded(data)
     dsts = [poison_(build(s, gen, specials=False)) for s in specs]
     flat = build(((sum(t.numel() for t in dsts),), src, "contiguous"), gen, specials=floats_only,
                  flush_bf16=backend == "triton")
@@ -1659,7 +1660,6 @@ class PlanCacheMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.gen = torch.Generator().manual_seed(0)
         self.ts = []
 
     def fresh(self, shape, dtype):
@@ -1668,7 +1668,7 @@ class PlanCacheMachine(RuleBasedStateMachine):
 
     @initialize(n=st.integers(1, 4), data=st.data())
     def start(self, n, data):
-        self.gen.manual_seed(data.draw(st.integers(0, 2**32 - 1), "seed"))
+        self.gen = seeded(data)
         for _ in range(n):
             self.append(data)
 

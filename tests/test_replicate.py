@@ -504,7 +504,7 @@ import sys  # noqa: E402
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from conftest import assert_same_bits  # noqa: E402
+from conftest import assert_same_bits, seeded  # noqa: E402
 
 D = 4  # every leaf maps (rows, D) to (rows, D)
 
@@ -768,7 +768,7 @@ def test_replicate_matches_torch_property(be, data):
     net = data.draw(module_trees(), "tree")
     n = data.draw(st.integers(1, 3), "devices")
     detach = data.draw(st.booleans(), "detach")
-    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1), "seed"))
+    gen = seeded(data)
     fill_(net, gen)
     if data.draw(st.booleans(), "flatten the source's RNNs"):
         for m in net.modules():

@@ -733,12 +733,8 @@ def test_layout_takes_lists_as_tuples():
 
 from hypothesis import strategies as st  # noqa: E402
 
-from conftest import backend_properties, rand  # noqa: E402
+from conftest import LAYOUTS, backend_properties, rand  # noqa: E402
 
-PROP_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
-#: How a weight's values are laid out in memory ("negative": a lazy negative view, for
-#: pack only: a Parameter is not made of those).
-WEIGHT_LAYOUTS = ["contiguous", "transposed", "stepped", "offset", "expanded", "negative"]
 
 
 @st.composite
@@ -751,10 +747,10 @@ def rnn_cases(draw, backend):
     cfg = dict(mode=mode, input_size=draw(st.integers(1, 7), "input_size"), hidden_size=hidden,
                num_layers=draw(st.integers(1, 3), "num_layers"), bidirectional=draw(st.booleans(), "bidirectional"),
                bias=draw(st.booleans(), "bias"), proj_size=proj)
-    src = draw(st.sampled_from(PROP_DTYPES), "src dtype")
-    dst = draw(st.one_of(st.just(src), st.sampled_from(PROP_DTYPES)), "buffer dtype")
+    src = draw(st.sampled_from(DTYPES), "src dtype")
+    dst = draw(st.one_of(st.just(src), st.sampled_from(DTYPES)), "buffer dtype")
     shapes = RNNLayout.for_config(**cfg).shapes
-    layouts = draw(st.lists(st.sampled_from(WEIGHT_LAYOUTS), min_size=len(shapes), max_size=len(shapes)), "layouts")
+    layouts = draw(st.lists(st.sampled_from(LAYOUTS), min_size=len(shapes), max_size=len(shapes)), "layouts")
     # Tied slots: a later weight is an earlier one of the same shape (the same tensor).
     ties = {}
     for j in range(len(shapes)):

@@ -249,7 +249,7 @@ def test_gather_passes_none_through():
 # each tensor's chunk of torch.chunk in it; gathered, the per-device outputs give torch.cat;
 # mismatched outputs are refused naming the replica.
 
-from conftest import LAYOUTS, assert_same_bits, backend_properties, build  # noqa: E402
+from conftest import LAYOUTS, assert_same_bits, backend_properties, build, seeded, storage_of  # noqa: E402
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -323,13 +323,6 @@ def batched(leaf, gen, batch, dim, flush_bf16=False):
     return build((tuple(shape), leaf.dtype, leaf.layout), gen, specials=True, flush_bf16=flush_bf16)
 
 
-def same_bits(actual, expected, what):
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    if actual.is_complex():
-        actual, expected = (torch.view_as_real(x.resolve_conj().contiguous()) for x in (actual, expected))
-    assert_same_bits(actual.resolve_neg(), expected.resolve_neg(), what)
-
-
 def assert_matches(got, want, what, *, identical=True):
     """``got`` has ``want``'s structure and types, tensors of its dtypes and bits, and
     where ``want`` has anything else, the very objects (or, not ``identical``, equal
@@ -337,7 +330,7 @@ def assert_matches(got, want, what, *, identical=True):
     assert type(got) is type(want), f"{what}: {type(got).__name__} where {type(want).__name__} was expected"
     if isinstance(want, torch.Tensor):
         assert got.dtype == want.dtype, f"{what}: {got.dtype} != {want.dtype}"
-        same_bits(got, want, what)
+        assert_same_bits(got.resolve_neg(), want.resolve_neg(), what)
     elif isinstance(want, (tuple, list)) and len(want):
         assert len(got) == len(want), f"{what}: {len(got)} items, expected {len(want)}"
         for i, (g, w) in enumerate(zip(got, want)):
@@ -364,7 +357,7 @@ def test_scatter_properties(data):
     obj = data.draw(structures(st.one_of(LEAVES, OBJECTS)), "structure")
     k = data.draw(st.integers(1, 4), "devices")
     dim, batch = data.draw(DIMS, "dim"), data.draw(st.integers(0, 9), "batch")
-    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1), "seed"))
+    gen = seeded(data)
     obj = rebuild(obj, lambda leaf: batched(leaf, gen, batch, dim))
     ts = tensors_of(obj)
     n = len(torch.empty(batch).chunk(k)) if ts else k
@@ -373,14 +366,10 @@ def test_scatter_properties(data):
     for i, part in enumerate(parts):
         assert_matches(part, rebuild_chunks(obj, i, k, dim), f"part {i}")
     for j, t in enumerate(ts):
-        views = [c for c in (tensors_of(p)[j] for p in parts) if c.numel() and storage(c) == storage(t)]
+        views = [c for c in (tensors_of(p)[j] for p in parts) if c.numel() and storage_of(c) == storage_of(t)]
         assert len(views) <= 1, f"tensor {j}: {len(views)} chunks share its storage (host replicas need copies)"
     if not any(isinstance(o, (int, float)) for o in leaves(obj)):  # (numbers cannot be gathered)
         assert_matches(fastpar.gather(parts, "cpu", dim), obj, "gathered back", identical=False)
-
-
-def storage(t):
-    return t.untyped_storage().data_ptr()
 
 
 def leaves(obj):
@@ -435,7 +424,7 @@ def check_gather(data, backend):
     each place's tensors (their bits) and the other objects as they were."""
     skeleton = data.draw(structures(st.one_of(LEAVES, GATHERABLE)), "structure")
     k, dim = data.draw(st.integers(1, 4), "replicas"), data.draw(DIMS, "dim")
-    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1), "seed"))
+    gen = seeded(data)
     outs = replica_outputs(data, skeleton, k, dim, gen, flush_bf16=backend == "triton")
     assert_matches(fastpar.gather(outs, "cpu", dim), gathered(outs, dim), f"gather of {skeleton}", identical=False)
 
@@ -455,7 +444,7 @@ def test_scatter_kwargs_properties(data):
     kwargs = data.draw(st.dictionaries(st.sampled_from(["x", "y", "z"]), item, max_size=3), "kwargs")
     k = data.draw(st.integers(1, 4), "devices")
     dim, batch = data.draw(DIMS, "dim"), data.draw(st.integers(0, 9), "batch")
-    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1), "seed"))
+    gen = seeded(data)
     inputs, kwargs = (rebuild(x, lambda leaf: batched(leaf, gen, batch, dim)) for x in (inputs, kwargs))
     if tensors_of(inputs) or tensors_of(kwargs):
         n = len(torch.empty(batch).chunk(k))
@@ -505,7 +494,7 @@ def test_gather_refusals_name_the_replica(data):
     replica (or its tensor). And scatter_kwargs of tensors whose batch sizes split into
     different numbers of chunks: refused, saying so."""
     k, dim = data.draw(st.integers(2, 4), "replicas"), data.draw(DIMS, "dim")
-    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1), "seed"))
+    gen = seeded(data)
     if data.draw(st.integers(0, 5), "scatter_kwargs") == 0:
         leaf = data.draw(LEAVES, "leaf")
         b_in, b_kw = data.draw(st.integers(0, 9), "input batch"), data.draw(st.integers(0, 9), "kwargs batch")
