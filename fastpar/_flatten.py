@@ -275,7 +275,8 @@ def split_views(flat: torch.Tensor, sizes: list, not_1d, *, autograd_views: bool
     ``_unflatten_dense_tensors``); only the listed positions get a ``view``. Without
     ``autograd_views``, ``unsafe_split_with_sizes`` makes them (another 1.4-1.6x faster
     for 10,000 pieces): the pieces share ``flat``'s storage but autograd does not record
-    them as views of it (no ``_base``, a version counter each). For results whose buffer
+    them as views of it (a 1-D piece has no ``_base``; a piece given a shape in
+    ``not_1d`` is a view of its own 1-D piece only; a version counter each). For results whose buffer
     never leaves fastpar, nothing can tell the difference, and in-place writes to one
     result then leave the others' versions alone, as for separately allocated tensors.
     """
