@@ -4,7 +4,10 @@ On every device but the first, a replica's parameters are views into one contigu
 buffer filled by one ``broadcast_coalesced`` (one flatten launch per dtype on the
 source, one copy per device), except RNN weights: each RNN module of each replica gets
 its own buffer in the cuDNN layout (:mod:`fastpar.rnn`), packed from the source weights
-in one launch, so cuDNN takes it as is and never re-compacts.
+in one launch, so cuDNN takes it as is and never re-compacts. (A replica's weight is one
+tensor in one buffer: an RNN that repeats one Parameter, or shares one with an RNN
+listed before it, or whose weights mix dtypes, is not packed; its weights are copied
+like any parameter.)
 
 Replica buffers persist across calls, as DDP keeps its bucket buffers: once nothing
 refers to a previous call's buffer any more (its replicas and their autograd graph are
