@@ -385,7 +385,8 @@ def reduce_add(inputs, destination=None):
     r"""Sum tensors from multiple devices, in one kernel launch.
 
     Args:
-        inputs (Iterable[Tensor]): tensors to add, one per device (same shape and dtype).
+        inputs (list or tuple of Tensor): tensors to add, one per device (same shape and
+            dtype).
         destination (int, str or torch.device, optional): device for the result, one of
             the inputs' devices (default: the current CUDA device, or the CPU for CPU
             replicas).
@@ -453,7 +454,7 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
     per dtype.
 
     Args:
-        inputs (Iterable[Iterable[Tensor]]): one list of tensors per device; the lists
+        inputs (Iterable[list or tuple of Tensor]): one list of tensors per device; the lists
             have the same length and, at each position, the same shape and dtype.
         destination (int, str or torch.device, optional): device for the results, one
             of the inputs' devices (default: the current CUDA device, or the CPU).
@@ -860,7 +861,7 @@ def gather(tensors, dim=0, destination=None, *, out=None):
     r"""Gather tensors from multiple devices, concatenated along ``dim``.
 
     Args:
-        tensors (Iterable[Tensor]): tensors to gather; sizes in every dimension other
+        tensors (list or tuple of Tensor): tensors to gather; sizes in every dimension other
             than ``dim`` must match.
         dim (int, optional): dimension to concatenate along. Default: ``0``.
         destination (torch.device, str, or int, optional): output device (``-1`` means
