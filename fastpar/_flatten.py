@@ -76,8 +76,8 @@ def flatten(tensors, *, dtype=None, scale=None, out=None):
     Raises:
         TypeError: ``tensors`` is not a sequence of dense tensors, they mix dtypes without
             ``dtype``, or ``dtype``/``scale``/``out`` has the wrong type or dtype.
-        ValueError: the tensors are on several devices, or ``out`` has the wrong size,
-            device or layout, or overlaps an input.
+        ValueError: ``tensors`` is empty, the tensors are on several devices, or ``out``
+            has the wrong size, device or layout, or overlaps an input.
         RuntimeError: ``out`` cannot be written here (an inference tensor outside
             inference mode, or a tensor requiring grad with grad mode on).
 
