@@ -190,12 +190,21 @@ def _flatten_rnns(module) -> None:
     is as flat as the others. An RNN whose weights cannot be packed (tied, parametrized,
     of mixed dtypes or devices: what :func:`fastpar.rnn.flatten_parameters` refuses) is
     left as it is, as torch's ``RNNBase.flatten_parameters`` leaves it (its slower
-    copying path).
+    copying path). Of RNNs sharing a Parameter, only the first is packed: a Parameter
+    sits in one buffer, so packing the next would move it out of the first's (which
+    then repacked, and moved it back, on every forward), as :func:`fastpar.replicate`
+    packs only the first in its replicas.
 
     Not on the CPU, where there is no cuDNN to feed: repacking rebinds the live weights
     (``set_``), which breaks a graph built through the module before, as torch's CPU
     modules are never repacked."""
-    rnns = [m for m in module.modules() if isinstance(m, torch.nn.RNNBase) and _on_cuda(m)]
+    rnns, claimed = [], set()
+    for m in module.modules():
+        if isinstance(m, torch.nn.RNNBase) and _on_cuda(m):
+            weights = {id(getattr(m, n, None)) for n in m._flat_weights_names}
+            if claimed.isdisjoint(weights):
+                rnns.append(m)
+                claimed |= weights
     if not rnns or all(rnn.is_flat(m) for m in rnns):
         return
     with _FLATTEN_LOCK:

@@ -4,6 +4,7 @@ no-grad path, failures, and CUDA comparisons with torch.nn.DataParallel."""
 from __future__ import annotations
 
 import collections
+import sys
 import threading
 import typing
 import warnings
@@ -712,3 +713,33 @@ def test_minus_one_output_device_warning_points_at_the_caller(api):
             data_parallel(m, x, device_ids=["cpu", "cpu"], output_device=-1)
     [w] = [w for w in rec if issubclass(w.category, FutureWarning)]
     assert w.filename == __file__, w.filename
+
+
+def test_module_rnns_sharing_a_parameter_pack_the_first_only(monkeypatch):
+    """DataParallel packs the module's own RNNs on CUDA (``_flatten_rnns``; its choice of
+    RNNs is plain Python, run here on CPU modules with the CUDA test answered yes). Two
+    LSTMs sharing a Parameter: packing both moved it out of the first's buffer, so the
+    first was repacked, and the second after it, on every forward (two launches each,
+    one RNN never flat). Now the first is packed once and the second left as it is."""
+    dp = sys.modules["fastpar.data_parallel"]  # (fastpar.data_parallel is the function)
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.LSTM(4, 4)
+            self.b = nn.LSTM(4, 4)
+            self.b.weight_ih_l0 = self.a.weight_ih_l0
+
+    torch.manual_seed(0)
+    m = Two()
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    monkeypatch.setattr(dp, "_on_cuda", lambda module: True)
+    with fastpar.count_launches() as first:
+        dp._flatten_rnns(m)
+    with fastpar.count_launches() as second:
+        dp._flatten_rnns(m)
+    assert first.total == 1 and second.total == 0, (first.total, second.total)
+    assert rnn.is_flat(m.a) and not rnn.is_flat(m.b)
+    assert m.b.weight_ih_l0 is m.a.weight_ih_l0
+    for n, p in m.named_parameters():
+        assert torch.equal(p, before[n]), n
