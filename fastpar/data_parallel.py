@@ -69,7 +69,8 @@ class DataParallel(torch.nn.DataParallel[T]):
 
     On CUDA, the module's own RNN weights are packed in place once
     (:func:`fastpar.rnn.flatten_parameters`, which keeps the Parameter objects), so every
-    replica, the first included, hands cuDNN a ready buffer. Host replicas leave the
+    replica, the first included, hands cuDNN a ready buffer (of RNNs sharing a
+    Parameter, the first: a Parameter sits in one buffer). Host replicas leave the
     module's weights as they are (there is no cuDNN to feed, and repacking would break a
     graph built through them before).
 
