@@ -55,7 +55,9 @@ def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
                     f"devices[{i}] is None and inputs[{i}] holds no tensor: the device of replica {i} "
                     "cannot be resolved; pass it in devices"
                 )
-            devices[i] = t.device
+            # (Checked as an explicit entry is: a meta or other tensor's device has no
+            # place to run a replica, and would fail in the worker thread.)
+            devices[i] = comm._device(t.device, f"devices[{i}] (the device of inputs[{i}])")
         else:
             devices[i] = comm._device(d, f"devices[{i}]")
     streams = [torch.cuda.current_stream(d) if d.type == "cuda" else None for d in devices]

@@ -140,3 +140,21 @@ def test_context_variables_are_carried_into_the_replicas():
     finally:
         _var.reset(token)
     assert outs == ["caller", "caller"]
+
+
+def test_none_device_resolved_to_an_unsupported_device_is_named_in_the_caller():
+    """A None entry takes its input's device; one that is neither CUDA nor the CPU (a
+    meta tensor) is refused by name, as an explicit entry is. It used to pass
+    unchecked, the worker thread died outside its try block (its traceback printed)
+    and the caller got a bare KeyError(0)."""
+    import threading
+
+    died = []
+    hook, threading.excepthook = threading.excepthook, lambda args: died.append(args.exc_type)
+    try:
+        x = torch.randn(2, device="meta")
+        with pytest.raises(ValueError, match=r"devices\[0\] .*must be a CUDA device or 'cpu', got meta"):
+            parallel_apply([nn.Identity(), nn.Identity()], [(x,), (x,)])
+    finally:
+        threading.excepthook = hook
+    assert died == [], f"a replica thread died: {died}"
