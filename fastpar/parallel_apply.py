@@ -23,8 +23,8 @@ def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
         inputs (sequence): one positional-argument tuple (or single argument) per module.
         kwargs_tup (sequence of dict, optional): keyword arguments per module.
         devices (sequence, optional): the device of each module (CUDA or ``"cpu"``; a
-            None entry, or no sequence, means the device of its first tensor input, and
-            is an error when it has none, as in torch).
+            None entry, or no sequence, means the device of its first tensor input, or
+            with none the current CUDA device, as in torch; without CUDA that is an error).
 
     Returns:
         list: each module's output, in order. An exception raised in any replica is
@@ -43,14 +43,18 @@ def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
     devices = [None] * len(modules) if devices is None else list(devices)
     if len(devices) != len(modules):
         raise ValueError(f"devices must have one entry per module ({len(modules)}), got {len(devices)}")
-    # A None entry (as torch allows) is the device of that replica's first tensor input
-    # (torch's get_a_var finds it); with no tensor input either, torch cannot resolve it
-    # and neither can we (running it on the current device could put a CUDA replica on
-    # the wrong GPU).
+    # A None entry (as torch allows) is the device of that replica's first tensor input,
+    # what torch's worker looks for (get_a_var). torch resolves every None entry first,
+    # with _get_device_index(None, True), to the current CUDA device: with no tensor
+    # input, so do we. Without CUDA there is no current device to take (and torch's
+    # parallel_apply refuses to run at all).
     for i, (d, x) in enumerate(zip(devices, inputs)):
         if d is None:
             t = get_a_var(x)
             if t is None:
+                if torch.cuda.is_available():
+                    devices[i] = torch.device("cuda", torch.cuda.current_device())
+                    continue
                 raise ValueError(
                     f"devices[{i}] is None and inputs[{i}] holds no tensor: the device of replica {i} "
                     "cannot be resolved; pass it in devices"

@@ -20,7 +20,8 @@ def test_none_devices_take_the_inputs_device():
             torch.testing.assert_close(o, m(x), rtol=0, atol=0)
 
 
-def test_none_device_without_a_tensor_input_is_an_error_as_in_torch():
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, the current CUDA device (as torch)")
+def test_none_device_without_a_tensor_input_is_an_error_without_cuda():
     calls = []
 
     class Rec(nn.Module):
@@ -158,3 +159,41 @@ def test_none_device_resolved_to_an_unsupported_device_is_named_in_the_caller():
     finally:
         threading.excepthook = hook
     assert died == [], f"a replica thread died: {died}"
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """CUDA "available" with current device 0, its device and stream contexts no-ops: what
+    parallel_apply does with CUDA devices, run on CPU tensors (the replicas here do not
+    care where they run)."""
+    import contextlib
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+
+
+class _KeyErrorModule(nn.Module):
+    def forward(self, *args):
+        return {}["wonderful"]
+
+
+def test_none_device_without_a_tensor_input_is_the_current_cuda_device_as_in_torch(fake_cuda):
+    """torch resolves a None entry with ``_get_device_index(None, True)``: the current
+    CUDA device (its worker's search of the input for a tensor is never reached with
+    CUDA). torch's own test_parallel_apply_passes_exception passes inputs=(None, None)
+    and no devices; fastpar raised ValueError('cannot be resolved') instead."""
+    seen = []
+
+    class Where(nn.Module):
+        def forward(self, *args, **kw):
+            seen.append(kw)
+            return kw.get("x")
+
+    x = torch.randn(2)
+    outs = parallel_apply([Where(), Where()], [(), ()], [{"x": x}, {"x": x}])
+    assert all(o is x for o in outs) and len(seen) == 2
+    with pytest.raises(KeyError, match=r"Caught KeyError in replica \d on device [\s\S]+wonderful"):
+        parallel_apply(modules=(_KeyErrorModule(), _KeyErrorModule()), inputs=(None, None))
