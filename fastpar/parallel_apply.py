@@ -93,7 +93,9 @@ def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
                 results[i] = output
         except Exception:
             with lock:
-                results[i] = ExceptionWrapper(where=f"in replica {i} on device {device}")
+                # (torch's words: a CUDA device by its index)
+                where = device.index if device.type == "cuda" else device
+                results[i] = ExceptionWrapper(where=f"in replica {i} on device {where}")
 
     if len(modules) > 1:
         threads = [

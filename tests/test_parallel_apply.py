@@ -197,3 +197,11 @@ def test_none_device_without_a_tensor_input_is_the_current_cuda_device_as_in_tor
     assert all(o is x for o in outs) and len(seen) == 2
     with pytest.raises(KeyError, match=r"Caught KeyError in replica \d on device [\s\S]+wonderful"):
         parallel_apply(modules=(_KeyErrorModule(), _KeyErrorModule()), inputs=(None, None))
+
+
+def test_replica_exception_names_a_cuda_device_by_index_as_torch(fake_cuda):
+    """torch's worker writes 'in replica {i} on device {index}' (its own
+    test_parallel_apply_passes_exception matches 'on device 0.'); fastpar wrote
+    'on device cuda:0'. Host replicas keep 'on device cpu'."""
+    with pytest.raises(KeyError, match=r"Caught KeyError in replica 1 on device 0.\nOriginal Traceback[\s\S]+wonderful"):
+        parallel_apply([nn.Identity(), _KeyErrorModule()], [(torch.ones(1),)] * 2, None, [0, "cuda:0"])
