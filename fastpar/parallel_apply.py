@@ -93,9 +93,7 @@ def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
                 results[i] = output
         except Exception:
             with lock:
-                # (torch's words: a CUDA device by its index)
-                where = device.index if device.type == "cuda" else device
-                results[i] = ExceptionWrapper(where=f"in replica {i} on device {where}")
+                results[i] = ExceptionWrapper(where=_where(i, device))
 
     if len(modules) > 1:
         threads = [
@@ -121,3 +119,9 @@ def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
 
 def _as_tuple(x):
     return x if isinstance(x, (list, tuple)) else (x,)
+
+
+def _where(i: int, device: torch.device) -> str:
+    """Where replica ``i`` failed, in torch's words: a CUDA device by its index ("in
+    replica 1 on device 0"), a host replica "on device cpu"."""
+    return f"in replica {i} on device {device.index if device.type == 'cuda' else device}"
