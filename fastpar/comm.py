@@ -32,6 +32,7 @@ import functools
 import logging
 import warnings
 import weakref
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -454,7 +455,7 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
     per dtype.
 
     Args:
-        inputs (Iterable[list or tuple of Tensor]): one list of tensors per device; the lists
+        inputs (Iterable[Iterable[Tensor]]): one list of tensors per device; the lists
             have the same length and, at each position, the same shape and dtype.
         destination (int, str or torch.device, optional): device for the results, one
             of the inputs' devices (default: the current CUDA device, or the CPU).
@@ -473,8 +474,9 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
         into a sparse result, a position sparse on some devices only is densified.
     """
     _check_buffer_size(buffer_size)
-    if not isinstance(inputs, (list, tuple)) and hasattr(inputs, "__iter__") and not isinstance(inputs, torch.Tensor):
-        inputs = list(inputs)  # any iterable of per-device lists, as torch's takes
+    inputs = _sequence(inputs)  # any iterable of per-device lists
+    if isinstance(inputs, (list, tuple)) and not all(isinstance(lst, (list, tuple)) for lst in inputs):
+        inputs = [_sequence(lst) for lst in inputs]  # (a list's plan is cached on the list itself)
     if not isinstance(inputs, (list, tuple)) or not inputs:
         raise TypeError(f"inputs must be a non-empty list of per-device tensor lists, got {inputs!r:.80}")
     if out is None and all(isinstance(lst, (list, tuple)) and not lst for lst in inputs):
@@ -861,7 +863,7 @@ def gather(tensors, dim=0, destination=None, *, out=None):
     r"""Gather tensors from multiple devices, concatenated along ``dim``.
 
     Args:
-        tensors (list or tuple of Tensor): tensors to gather; sizes in every dimension other
+        tensors (Iterable[Tensor]): tensors to gather; sizes in every dimension other
             than ``dim`` must match.
         dim (int, optional): dimension to concatenate along. Default: ``0``.
         destination (torch.device, str, or int, optional): output device (``-1`` means
@@ -877,7 +879,7 @@ def gather(tensors, dim=0, destination=None, *, out=None):
     Returns:
         ``out`` if given, else a new tensor on ``destination``.
     """
-    ts = list(_checked_any_device(tensors, "tensors"))
+    ts = list(_checked_any_device(_sequence(tensors), "tensors"))
     if all(t.dim() == 0 for t in ts):
         warnings.warn(
             "Was asked to gather along dimension 0, but all input tensors were scalars; "
@@ -948,6 +950,15 @@ def gather(tensors, dim=0, destination=None, *, out=None):
         out.narrow(dim, off, t.size(dim)).copy_(t, non_blocking=out.is_cuda)
         off += t.size(dim)
     return out
+
+
+def _sequence(obj):
+    """``obj`` as a tuple if it is an iterable other than a list, tuple, tensor, string or
+    mapping (a generator, say: torch's ``gather`` and ``reduce_add_coalesced`` iterate
+    what they are given), else as it is (for the checks to name)."""
+    if isinstance(obj, (list, tuple, torch.Tensor, str, bytes, Mapping)) or not hasattr(obj, "__iter__"):
+        return obj
+    return tuple(obj)
 
 
 def _checked_any_device(tensors, name: str):

@@ -1815,3 +1815,23 @@ def test_refusals_name_the_argument_and_write_nothing(op, data):
         call()
     assert launches.total == 0, f"a refused call launched {launches.by_op}"
     assert_unchanged(watched, before, what=f"{op.__name__}: {match}")
+
+
+def test_iterables_are_taken_where_torch_iterates_them():
+    """torch's ``gather`` and ``reduce_add_coalesced`` iterate what they are given, so a
+    generator works there (of the tensors; of the per-device lists; of the lists'
+    items). fastpar took only lists and tuples and raised TypeError. ``reduce_add``
+    indexes its inputs in torch too, and a tensor, string or dict stays an error."""
+    torch.manual_seed(0)
+    xs = [torch.randn(3, 2) for _ in range(3)]
+    assert torch.equal(comm.gather((x for x in xs), dim=1, destination="cpu"), torch.cat(xs, 1))
+    lists = [[torch.randn(4), torch.randn(2, 3)] for _ in range(3)]
+    want = comm.reduce_add_coalesced(lists, "cpu")
+    for given in ((iter(lst) for lst in lists), [iter(lst) for lst in lists], [lists[0], iter(lists[1]), lists[2]]):
+        got = comm.reduce_add_coalesced(given, "cpu")
+        assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
+    for bad in (torch.randn(3, 2), "ab", {"a": xs[0]}):
+        with pytest.raises(TypeError, match="tensors must be a list or tuple of tensors"):
+            comm.gather(bad, destination="cpu")
+    with pytest.raises(TypeError, match="inputs must be a list or tuple of tensors, got generator"):
+        comm.reduce_add((x for x in xs), "cpu")
