@@ -566,7 +566,8 @@ def register(ddp_model, hook, state=None) -> None:
             (:data:`bf16_compress_hook`, :data:`fp16_compress_hook`).
         state (ProcessGroup, optional): the group to reduce over. Default: the model's own
             process group (``ddp_model.process_group``), which torch's hooks would reach
-            only if it is the default group.
+            only if it is the default group (registered then as None, which keeps the
+            model picklable and deep-copyable as with torch's hooks).
 
     Raises:
         TypeError: ``ddp_model`` is not a DistributedDataParallel, ``hook`` is not a
@@ -587,7 +588,10 @@ def register(ddp_model, hook, state=None) -> None:
             "register other hooks with ddp_model.register_comm_hook"
         )
     if state is None:
-        state = ddp_model.process_group
+        # The model's group; None when that is the default group (the hooks read None as
+        # it, as torch's do): DDP pickles and deep-copies itself only with the default
+        # group, and a ProcessGroup held as the hook's state cannot be pickled.
+        state = None if ddp_model.process_group is dist.group.WORLD else ddp_model.process_group
     elif not isinstance(state, dist.ProcessGroup):
         raise TypeError(
             f"state must be None (the model's own process group) or a torch.distributed "

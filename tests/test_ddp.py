@@ -1255,3 +1255,28 @@ def test_bucket_cache_does_not_hand_a_new_bucket_a_freed_ones_entry(one_rank):
     new = torch.frombuffer(memory, dtype=torch.float32)
     assert not fddp._buckets.get(new).alive.expired()
     fddp._buckets.clear()
+
+
+# --- found by a review against torch's DDP: models with fastpar hooks stay copyable
+
+
+def test_register_keeps_a_default_group_model_copyable(one_rank):
+    # DDP pickles and deep-copies itself (its __getstate__) when its group is the default
+    # one, as after ddp.register_comm_hook(None, hook). register() stored the model's
+    # ProcessGroup as the hook's state, which cannot be pickled: copy.deepcopy(model)
+    # and torch.save(model) then raised for every fastpar hook.
+    import copy
+    import io
+
+    model = DDP(Net())
+    fddp.register(model, fddp.bf16_compress_hook)
+    clone = copy.deepcopy(model)
+    assert [h for h, _ in clone._comm_hooks] == [fddp.bf16_compress_hook]
+    model(torch.randn(3, 16)).sum().backward()  # and the hook still runs
+    model = DDP(Net())
+    fddp.register(model, fddp.allreduce_hook)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    assert torch.load(buf, weights_only=False)._comm_hooks == [(fddp.allreduce_hook, None)]
+
