@@ -529,8 +529,16 @@ def _make_compress_hook(dtype: torch.dtype):
         f"{short}, fused cast back (see fastpar.ddp.compress_hook)."
     )
     hook._fastpar_wire = dtype
+    # pickle finds a function by module and name: a DDP model holding the hook pickles
+    # (torch.save(ddp_model)) as with torch's hooks, which are module functions.
+    globals()[hook.__name__] = hook
     return hook
 
+
+# Every dtype's hook exists from import on, so that another process unpickles any of them.
+for _dtype in FLOAT_DTYPES:
+    compress_hook(_dtype)
+del _dtype
 
 #: ``compress_hook(torch.bfloat16)``: gradients all-reduced in bfloat16 (gloo or NCCL >= 2.10).
 bf16_compress_hook = compress_hook(torch.bfloat16)

@@ -1280,3 +1280,27 @@ def test_register_keeps_a_default_group_model_copyable(one_rank):
     buf.seek(0)
     assert torch.load(buf, weights_only=False)._comm_hooks == [(fddp.allreduce_hook, None)]
 
+
+def test_compress_hooks_pickle_as_torch_hooks_do(one_rank):
+    # torch's fp16/bf16 hooks are module functions, so a DDP model holding one pickles;
+    # fastpar's are made per dtype and named apart from torch's, and pickle could not
+    # find them by name ("attribute lookup fastpar_compress_hook_bfloat16 ... failed").
+    import io
+    import subprocess
+    import sys
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        hook = fddp.compress_hook(dtype)
+        assert pickle.loads(pickle.dumps(hook)) is hook, dtype
+    model = DDP(Net())
+    model.register_comm_hook(None, fddp.bf16_compress_hook)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    assert torch.load(buf, weights_only=False)._comm_hooks == [(fddp.bf16_compress_hook, None)]
+    # A fresh interpreter finds a hook made only on demand here (float32).
+    data = pickle.dumps(fddp.compress_hook(torch.float32))
+    res = subprocess.run([sys.executable, "-c", "import pickle, sys, fastpar.ddp; "
+                          "print(pickle.loads(sys.stdin.buffer.read())._fastpar_wire)"],
+                         input=data, capture_output=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.decode().strip() == "torch.float32", res.stderr.decode()
