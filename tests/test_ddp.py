@@ -1266,7 +1266,6 @@ def test_register_keeps_a_default_group_model_copyable(one_rank):
     # ProcessGroup as the hook's state, which cannot be pickled: copy.deepcopy(model)
     # and torch.save(model) then raised for every fastpar hook.
     import copy
-    import io
 
     model = DDP(Net())
     fddp.register(model, fddp.bf16_compress_hook)
@@ -1275,17 +1274,23 @@ def test_register_keeps_a_default_group_model_copyable(one_rank):
     model(torch.randn(3, 16)).sum().backward()  # and the hook still runs
     model = DDP(Net())
     fddp.register(model, fddp.allreduce_hook)
+    assert _saved_and_loaded(model)._comm_hooks == [(fddp.allreduce_hook, None)]
+
+
+def _saved_and_loaded(obj):
+    """``obj`` through ``torch.save`` and ``torch.load`` (in memory)."""
+    import io
+
     buf = io.BytesIO()
-    torch.save(model, buf)
+    torch.save(obj, buf)
     buf.seek(0)
-    assert torch.load(buf, weights_only=False)._comm_hooks == [(fddp.allreduce_hook, None)]
+    return torch.load(buf, weights_only=False)
 
 
 def test_compress_hooks_pickle_as_torch_hooks_do(one_rank):
     # torch's fp16/bf16 hooks are module functions, so a DDP model holding one pickles;
     # fastpar's are made per dtype and named apart from torch's, and pickle could not
     # find them by name ("attribute lookup fastpar_compress_hook_bfloat16 ... failed").
-    import io
     import subprocess
     import sys
 
@@ -1294,10 +1299,7 @@ def test_compress_hooks_pickle_as_torch_hooks_do(one_rank):
         assert pickle.loads(pickle.dumps(hook)) is hook, dtype
     model = DDP(Net())
     model.register_comm_hook(None, fddp.bf16_compress_hook)
-    buf = io.BytesIO()
-    torch.save(model, buf)
-    buf.seek(0)
-    assert torch.load(buf, weights_only=False)._comm_hooks == [(fddp.bf16_compress_hook, None)]
+    assert _saved_and_loaded(model)._comm_hooks == [(fddp.bf16_compress_hook, None)]
     # A fresh interpreter finds a hook made only on demand here (float32).
     data = pickle.dumps(fddp.compress_hook(torch.float32))
     res = subprocess.run([sys.executable, "-c", "import pickle, sys, fastpar.ddp; "
