@@ -21,6 +21,17 @@ def _sparse_aliased(outputs, inputs) -> list:
     return [comm.sparse_copy(t, None) if id(t) in sparse else t for t in outputs]
 
 
+def _marked(ctx, outputs) -> tuple:
+    """The per-device copies ``outputs`` as one tuple, the copies of inputs that need no
+    gradient marked non-differentiable (as torch's ``Broadcast`` marks them)."""
+    non_differentiables = []
+    for idx, needs in enumerate(ctx.needs_input_grad[1:]):
+        if not needs:
+            non_differentiables.extend(output[idx] for output in outputs)
+    ctx.mark_non_differentiable(*non_differentiables)
+    return tuple(t for tensors in outputs for t in tensors)
+
+
 class Broadcast(Function):
     """Copies of ``inputs`` on every device of ``placement`` (a
     :class:`fastpar.replicate._Placement`), which lays each device's copies out in its
@@ -36,12 +47,7 @@ class Broadcast(Function):
             return ()
         outputs = placement.place(inputs)
         outputs[0] = _sparse_aliased(outputs[0], inputs)
-        non_differentiables = []
-        for idx, needs in enumerate(ctx.needs_input_grad[1:]):
-            if not needs:
-                non_differentiables.extend(output[idx] for output in outputs)
-        ctx.mark_non_differentiable(*non_differentiables)
-        return tuple(t for tensors in outputs for t in tensors)
+        return _marked(ctx, outputs)
 
     @staticmethod
     def backward(ctx, *grad_outputs):
@@ -64,7 +70,7 @@ class BroadcastCoalesced(Function):
         with transient_tensors():  # a step's gradients: don't keep their plans
             copies = comm.broadcast_coalesced(list(inputs), devices)
         copies[0] = _sparse_aliased(copies[0], inputs)
-        return tuple(t for tensors in copies for t in tensors)
+        return _marked(ctx, copies)
 
     @staticmethod
     def backward(ctx, *grad_outputs):

@@ -826,3 +826,19 @@ def test_detached_replica_0_registers_the_source_parameters_as_torch_does(custom
         assert [n for n, _ in f.named_parameters()] == names, f"replica {j}"
     assert fp[0].weight is net.weight and fp[0].bias is net.bias
     assert type(fp[1].weight) is torch.Tensor and not fp[1].weight.requires_grad
+
+
+def test_broadcast_coalesced_marks_copies_of_inputs_without_grad_non_differentiable():
+    """ReduceAddCoalesced's backward (BroadcastCoalesced, run in double backward) marks
+    the copies of gradients that need none non-differentiable, as torch's Broadcast
+    does; they required grad (and carried a graph) before."""
+    from fastpar._functions import BroadcastCoalesced
+
+    devs = [torch.device("cpu")] * 3
+    a = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(2, dtype=torch.float64)
+    outs = BroadcastCoalesced.apply(devs, a, b)
+    assert [o.requires_grad for o in outs] == [True, False] * 3
+    assert all(torch.equal(o, t) for o, t in zip(outs, (a, b) * 3))
+    (ga,) = torch.autograd.grad(sum(o.sum() for o in outs[0::2]), a)
+    assert torch.equal(ga, torch.full_like(a, 3.0))
