@@ -204,7 +204,10 @@ def _rnn_groups(modules, tensors):
     groups, claimed = [], set()
     for m in modules:
         if isinstance(m, torch.nn.RNNBase):
-            weights = [getattr(m, n, None) for n in m._flat_weights_names]
+            # From ``_parameters``, as torch's replicate reads them: ``getattr`` would
+            # evaluate a parametrized weight (spectral_norm's power iteration updates its
+            # buffers in place); such a weight is not a parameter of ``m`` anyway.
+            weights = [m._parameters.get(n) for n in m._flat_weights_names]
             if weights and all(w is not None and id(w) in index for w in weights) \
                     and len({w.dtype for w in weights}) == 1:
                 pos = [index[id(w)] for w in weights]

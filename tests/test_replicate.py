@@ -842,3 +842,21 @@ def test_broadcast_coalesced_marks_copies_of_inputs_without_grad_non_differentia
     assert all(torch.equal(o, t) for o, t in zip(outs, (a, b) * 3))
     (ga,) = torch.autograd.grad(sum(o.sum() for o in outs[0::2]), a)
     assert torch.equal(ga, torch.full_like(a, 3.0))
+
+
+@pytest.mark.parametrize("detach", [False, True])
+def test_replicate_does_not_run_an_rnn_weights_parametrization(detach):
+    """torch's replicate reads only ``_parameters``; it never evaluates a parametrized
+    weight. Evaluating spectral_norm's in training mode runs a power iteration that
+    updates its ``_u``/``_v`` buffers in place: replicate must leave them as they were."""
+    torch.manual_seed(0)
+    m = nn.LSTM(4, 3)
+    torch.nn.utils.parametrizations.spectral_norm(m, "weight_hh_l0")
+    sn = m.parametrizations.weight_hh_l0[0]
+    before = [t.clone() for t in sn.buffers()]
+    th = torch_replicate(m, 2, detach)
+    assert all(torch.equal(a, b) for a, b in zip(before, sn.buffers())), "torch's replicate changed them"
+    replicate(m, ["cpu", "cpu"], detach=detach)
+    for a, (name, b) in zip(before, sn.named_buffers()):
+        assert torch.equal(a, b), f"replicate ran the parametrization: {name} changed"
+    assert th  # (torch's replicas made, for the comparison above)
