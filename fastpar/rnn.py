@@ -575,7 +575,11 @@ def is_flat(module) -> bool:
         TypeError: ``module`` is not an ``nn.RNNBase``.
     """
     _check_rnn(module)
+    from torch.nn.utils import parametrize
+
     names = list(module._flat_weights_names)
+    if any(parametrize.is_parametrized(module, n) for n in names):
+        return False  # (before ``getattr``, which would run the parametrization)
     weights = [getattr(module, n, None) for n in names]
     if not weights or not all(isinstance(w, torch.Tensor) and w.layout == torch.strided for w in weights):
         return False

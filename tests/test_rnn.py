@@ -904,3 +904,15 @@ def check_rnn_case(data, backend):
 _overflow_ok = pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # on inf
 test_pack_and_flatten_properties, test_pack_and_flatten_properties_triton_interpreter = map(
     _overflow_ok, backend_properties(check_rnn_case, triton_examples=5))
+
+
+def test_is_flat_does_not_evaluate_a_parametrized_weight():
+    """A query: it must not run the parametrization (spectral_norm's, in training mode,
+    updates its power-iteration buffers in place on every evaluation)."""
+    m = make("GRU", 1)
+    torch.nn.utils.parametrizations.spectral_norm(m, "weight_ih_l0")
+    sn = m.parametrizations.weight_ih_l0[0]
+    before = [t.clone() for t in sn.buffers()]
+    assert rnn.is_flat(m) is False
+    for a, (name, b) in zip(before, sn.named_buffers()):
+        assert torch.equal(a, b), f"is_flat ran the parametrization: {name} changed"
