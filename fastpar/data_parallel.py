@@ -202,7 +202,9 @@ def _flatten_rnns(module) -> None:
     rnns, claimed = [], set()
     for m in module.modules():
         if isinstance(m, torch.nn.RNNBase) and _on_cuda(m):
-            weights = {id(getattr(m, n, None)) for n in m._flat_weights_names}
+            # (From _parameters, as replicate reads them: getattr would run a
+            # parametrization, e.g. spectral_norm's power iteration, in place.)
+            weights = {id(w) for w in map(m._parameters.get, m._flat_weights_names) if w is not None}
             if claimed.isdisjoint(weights):
                 rnns.append(m)
                 claimed |= weights
