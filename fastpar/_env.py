@@ -1,6 +1,7 @@
 """fastpar's environment variables, read with errors that name them."""
 from __future__ import annotations
 
+import math
 import os
 
 _TRUE = ("1", "true", "yes", "on")
@@ -9,7 +10,7 @@ _FALSE = ("0", "false", "no", "off")
 
 def number(name: str, default, kind=int, *, minimum=0):
     """``name`` as a ``kind`` (int or float) of at least ``minimum``; ``default`` when it
-    is unset or empty."""
+    is unset or empty. NaN and infinities are refused (float() reads them)."""
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
@@ -18,6 +19,8 @@ def number(name: str, default, kind=int, *, minimum=0):
     except ValueError:
         what = "a whole number" if kind is int else "a number"
         raise ValueError(f"environment variable {name} must be {what}, got {raw!r}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"environment variable {name} must be a finite number, got {raw!r}")
     if value < minimum:
         raise ValueError(f"environment variable {name} must be at least {minimum}, got {raw!r}")
     return value

@@ -78,3 +78,18 @@ def test_text_strips_and_blank_means_default(monkeypatch):
     assert _env.text("FASTPAR_X", "auto") == "auto"
     monkeypatch.setenv("FASTPAR_X", " numba\n")
     assert _env.text("FASTPAR_X", "auto") == "numba"
+
+
+@pytest.mark.parametrize("raw", ["nan", "inf", "-inf", "1e400"])
+def test_a_non_finite_number_is_named(monkeypatch, raw):
+    # float() reads these, and "nan" passed the minimum check: FASTPAR_RESULT_CACHE_MB=nan
+    # then failed `import fastpar` with "cannot convert float NaN to integer", no name.
+    monkeypatch.setenv("FASTPAR_X", raw)
+    with pytest.raises(ValueError, match=rf"environment variable FASTPAR_X must be a finite number, got '{raw}'"):
+        _env.number("FASTPAR_X", 1.0, float)
+
+
+def test_a_nan_result_cache_size_fails_import_naming_it():
+    r = subprocess.run([sys.executable, "-c", "import fastpar"], capture_output=True, text=True,
+                       env={**os.environ, "FASTPAR_RESULT_CACHE_MB": "nan"}, timeout=120)
+    assert r.returncode != 0 and "FASTPAR_RESULT_CACHE_MB must be a finite number, got 'nan'" in r.stderr, r.stderr
