@@ -559,7 +559,7 @@ def main(args) -> int:
             print(f"--workloads: unknown {bad}; expected some of {', '.join(WORKLOADS)}", file=sys.stderr)
             return 2
     types = None
-    if args.devices:
+    if args.devices is not None:  # "" is an empty list, not "every device"
         types = [d.strip() for d in args.devices.split(",") if d.strip()]
         bad = [d for d in types if d not in ("cpu", "cuda")]
         if bad or not types:

@@ -106,6 +106,7 @@ def test_table_is_markdown(good_doc):
 
 
 @pytest.mark.parametrize("arg, match", [("tpu", "unknown \\['tpu'\\]"), (",", "unknown ','"),
+                                        ("", "unknown ''"),  # was every device, exit 0
                                         ("cuda", "none of \\['cuda'\\] is present")])
 def test_bench_cli_rejects_bad_devices(arg, match, tmp_path, capsys):
     import argparse
