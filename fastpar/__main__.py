@@ -79,6 +79,17 @@ def writable_or_exit(folder, flag: str = "--results-dir") -> int | None:
     return None
 
 
+def blank_folder_or_exit(value, flag: str = "--results-dir") -> int | None:
+    """Return 2 (after printing why) when ``value`` was given but is blank: ``""`` (an
+    unset shell variable) is no folder; bench read the default one's tuned files but
+    wrote to the working folder, autotune wrote to the working folder. Else None."""
+    if value is not None and not value.strip():
+        print(f"{flag}: expected a folder, got {value!r}; leave {flag} out for the default "
+              "($FASTPAR_RESULTS_DIR, else the source checkout's results/, else ~/.cache/fastpar)", file=sys.stderr)
+        return 2
+    return None
+
+
 def comma_list(text, flag: str):
     """``"a, b"`` -> ``["a", "b"]``; None for None; raises ``ValueError`` naming ``flag``
     for a list with no names in it (``","`` or ``""``), which would otherwise mean all."""
@@ -115,6 +126,9 @@ def _autotune(args) -> int:
     except ValueError as e:
         print(f"autotune: {e}", file=sys.stderr)
         return 2
+    bad = blank_folder_or_exit(args.results_dir)
+    if bad:
+        return bad
     root = args.results_dir if args.results_dir is not None else _tuning.results_dir()
     bad = writable_or_exit(_tuning.autotune_path("probe", Path(root)).parent)
     if bad:

@@ -545,8 +545,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args) -> int:
     sizes = args.sizes or ("quick" if args.quick else "full")
-    from .__main__ import comma_list, writable_or_exit
+    from .__main__ import blank_folder_or_exit, comma_list, writable_or_exit
 
+    bad = blank_folder_or_exit(args.results_dir)
+    if bad:
+        return bad
     only = None
     if args.workloads is not None:
         try:

@@ -107,3 +107,23 @@ def test_write_check_leaves_no_folders_behind(tmp_path):
     target = tmp_path / "a" / "b" / "bench"
     assert writable_or_exit(target) is None
     assert list(tmp_path.iterdir()) == [], "the write check must not leave empty folders behind"
+
+
+@pytest.mark.parametrize("command", ["bench", "autotune"])
+@pytest.mark.parametrize("value", ["", " "])
+def test_a_blank_results_dir_is_an_error(capsys, tmp_path, monkeypatch, command, value):
+    # `--results-dir "$UNSET"`: bench checked and read the default results folder (this
+    # checkout's results/) but wrote to ./bench; autotune wrote to ./autotune. Both exited 0.
+    import fastpar.autotune
+    import fastpar.bench
+
+    def must_not_run(*a, **k):
+        raise AssertionError("measured with a blank --results-dir")
+
+    monkeypatch.setattr(fastpar.bench, "run", must_not_run)
+    monkeypatch.setattr(fastpar.autotune, "tune", must_not_run)
+    monkeypatch.chdir(tmp_path)
+    assert main([command, "--results-dir", value, "--no-progress", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert f"--results-dir: expected a folder, got {value!r}" in err, err
+    assert not any(tmp_path.iterdir())
