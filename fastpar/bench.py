@@ -366,7 +366,10 @@ def table(rows: list[dict]) -> str:
 
 def plot(doc: dict, path: Path) -> None:
     """GB/s against the workload's bytes, one panel per op, one line per provider (the
-    ``copy_`` ceiling dashed); written as PNG with the Agg backend."""
+    ``copy_`` ceiling dashed); written as PNG with the Agg backend, atomically (a run
+    interrupted while plotting, which takes seconds, leaves no truncated PNG)."""
+    import io
+
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -406,8 +409,14 @@ def plot(doc: dict, path: Path) -> None:
     fig.suptitle(f"fastpar vs torch: {doc['device']['name']} ({doc['device']['slug']}), {doc['sizes']} sizes, "
                  f"{doc['timestamp']}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    png = io.BytesIO()
+    try:
+        fig.savefig(png, format="png", dpi=110)
+    finally:
+        plt.close(fig)
+    from .autotune import _write_atomic
+
+    _write_atomic(Path(path), png.getvalue())
 
 
 def _expect(cond, where, got, expected):
@@ -521,8 +530,10 @@ def run(sizes: str = "full", *, root=None, note: str | None = None, only=None, p
         from .autotune import _write_atomic
 
         path = bench_dir / f"{info['slug']}-{stamp}.json"
-        _write_atomic(path, json.dumps(doc, indent=1, allow_nan=False) + "\n")
+        # The plot first (seconds): interrupted there, the run leaves no JSON naming a
+        # PNG that is missing or cut short.
         plot(doc, bench_dir / doc["png"])
+        _write_atomic(path, json.dumps(doc, indent=1, allow_nan=False) + "\n")
         print(f"wrote {path} and {bench_dir / doc['png']}", file=out)
         paths.append(path)
     return paths

@@ -149,3 +149,34 @@ def test_row_ratio_gain_and_ceiling_are_the_right_way_up(row):
     assert row["copy_gbps"] == pytest.approx(8 * n / 5e-4 / 1e9, rel=1e-3)
     assert row["of_copy"] == pytest.approx(row["fastpar_gbps"] / row["copy_gbps"], rel=1e-3)
     assert row["of_copy"] == pytest.approx(0.5, rel=1e-3)  # half the copy_ ceiling
+
+
+def test_a_run_interrupted_while_plotting_leaves_no_partial_files(good_doc, tmp_path, monkeypatch):
+    # Plotting takes seconds at the end of a run; the PNG was written in place, after the
+    # JSON naming it: Ctrl-C there left a truncated PNG and a JSON pointing at it.
+    import io
+    import warnings
+
+    import matplotlib.figure
+
+    monkeypatch.setenv("FASTPAR_RESULTS_DIR", str(tmp_path))
+    _tuning.reload()
+    monkeypatch.setattr(bench, "run_device", lambda *a, **k: copy.deepcopy(good_doc["rows"]))
+
+    def savefig(self, target, *a, **k):
+        if isinstance(target, (str, os.PathLike)):
+            with open(target, "wb") as f:
+                f.write(b"\x89PNG\r\n\x1a\n cut short")
+        else:
+            target.write(b"\x89PNG\r\n\x1a\n cut short")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    try:
+        with pytest.raises(KeyboardInterrupt), warnings.catch_warnings():
+            warnings.simplefilter("ignore", _tuning.TuningWarning)  # no tuned file there
+            bench.run("tiny", root=tmp_path, progress=False, out=io.StringIO(), device_types=["cpu"])
+    finally:
+        _tuning.reload()
+    left = sorted(p.name for p in (tmp_path / "bench").iterdir())
+    assert left == [], f"an interrupted run left {left}"
