@@ -82,8 +82,8 @@ class TuningFileError(ValueError):
 
 def results_dir() -> Path:
     """Folder that holds ``autotune/`` and ``bench/`` (see the module docstring)."""
-    env = os.environ.get("FASTPAR_RESULTS_DIR")
-    if env:
+    env = os.environ.get("FASTPAR_RESULTS_DIR", "")
+    if env.strip():  # blank means unset, as for every FASTPAR_* variable (fastpar._env)
         return Path(env).expanduser()
     checkout = Path(__file__).resolve().parent.parent
     if (checkout / "results").is_dir() and (checkout / "pyproject.toml").is_file():

@@ -627,6 +627,15 @@ def test_results_dir_env_expands_the_home_folder(monkeypatch, tmp_path):
     assert _tuning.results_dir() == tmp_path / "fp-results"
 
 
+@pytest.mark.parametrize("blank", [" ", "\t\n"])
+def test_a_blank_results_dir_env_means_unset(monkeypatch, blank):
+    # It named a folder "   " in the working folder, where autotune and bench wrote.
+    monkeypatch.delenv("FASTPAR_RESULTS_DIR", raising=False)
+    default = _tuning.results_dir()
+    monkeypatch.setenv("FASTPAR_RESULTS_DIR", blank)
+    assert _tuning.results_dir() == default
+
+
 def test_results_dir_outside_a_checkout_is_the_user_cache(monkeypatch, tmp_path):
     # an installed package (no results/ + pyproject.toml beside it) uses
     # $XDG_CACHE_HOME/fastpar, else ~/.cache/fastpar.
