@@ -82,11 +82,18 @@ class IdleBuffer:
     second reference to its Python storage object: torch keeps one such object per
     storage, so a user's ``t.untyped_storage()`` (or a ``TypedStorage`` over it) is the
     very object the count itself goes through. So the slot holds that object and also
-    compares its Python reference count, its size (``resize_`` in place) and whether it
-    was moved to shared memory (a result sent to another process: torch keeps only a weak
-    reference on the sending side, the receiver maps the same memory)."""
+    compares its Python reference count, its size (``resize_`` in place) and, for a host
+    buffer, whether it was moved to shared memory (a result sent to another process: torch
+    keeps only a weak reference on the sending side, the receiver maps the same memory).
 
-    __slots__ = ("buf", "storage", "nbytes", "uses", "refs")
+    ``UntypedStorage.is_shared()`` is True for every CUDA storage (torch's
+    ``THPStorage_isShared``: device memory needs no move to be shared), so it says nothing
+    there and is not asked: a CUDA buffer sent to another process stays referenced by
+    its sender for as long as the receiver uses it (torch's rule for CUDA tensors in
+    multiprocessing), which the use count sees. Asked, it made every CUDA buffer look
+    dead, and replicate's pool allocated afresh on every call."""
+
+    __slots__ = ("buf", "storage", "nbytes", "uses", "refs", "host")
 
     def __init__(self, buf: torch.Tensor) -> None:
         self.buf = buf
@@ -94,10 +101,12 @@ class IdleBuffer:
         self.nbytes = self.storage.nbytes()
         self.uses = use_count(buf)
         self.refs = sys.getrefcount(self.storage)
+        self.host = buf.device.type == "cpu"
 
     def intact(self) -> bool:
-        """False once the storage was resized or moved to shared memory: never idle again."""
-        return self.storage.nbytes() == self.nbytes and not self.storage.is_shared()
+        """False once the storage was resized or (a host buffer) moved to shared memory:
+        never idle again."""
+        return self.storage.nbytes() == self.nbytes and not (self.host and self.storage.is_shared())
 
     def idle(self) -> bool:
         """True when nothing but this slot refers to the buffer, and it is intact."""

@@ -39,7 +39,11 @@ class _BufferPool:
     replicas may still be read by kernels queued on the stream that was current when the
     buffer was handed out. Refilled on that same stream, the new writes queue behind
     them; handed out while another stream is current, that stream first waits for the
-    old one (what ``record_stream`` arranges for the caching allocator's blocks)."""
+    old one (what ``record_stream`` arranges for the caching allocator's blocks). The
+    buffer is also ``record_stream``-ed on each stream it is handed out on: once the slot
+    lets it go (replaced while still referenced, or the pool dropped with its network),
+    the caching allocator frees it into the pool of the stream it was allocated on, and
+    must not hand it to work there while kernels of a later stream still read it."""
 
     def __init__(self) -> None:
         self._slots: dict = {}
@@ -70,6 +74,7 @@ class _BufferPool:
                 if last is not None and last != current:
                     current.wait_stream(last)
                 self._streams[key] = current
+                buf.record_stream(current)  # (a no-op on the stream it was allocated on)
             return buf.view(-1)
 
 
@@ -154,6 +159,10 @@ class _Placement:
                 staging = self.pool.get((self.tag, "rnn", id(module), 0), buf.numel(), src)
                 rnn.pack(weights, src_layout, out=staging.view(layout.dtype))
                 buf.copy_(staging, non_blocking=True)
+                # Idle again for the next device's pack (which queues behind this copy on
+                # the source's stream): held here, the pool found it in use and allocated a
+                # new staging buffer for every device after the first, every call.
+                del staging
             result.append(layout.views(flat))
         if local:
             rnn._pack(weights, local_layout, local[0], True, local[1:])

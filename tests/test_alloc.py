@@ -381,3 +381,14 @@ def test_result_cache_buffer_over_max_bytes_leaves_the_cache_alone():
     assert not reused and cache._bytes == N * 4
     del big
     assert cache.empty(N, torch.float32, "cpu")[1], "a buffer over the limit evicted the kept ones"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_idle_buffer_on_cuda_is_idle_when_unreferenced():
+    # (UntypedStorage.is_shared() is True for every CUDA storage: not a sign of a send.)
+    slot = _alloc.IdleBuffer(torch.empty(1024, dtype=torch.uint8, device="cuda"))
+    assert slot.intact() and slot.idle()
+    view = slot.buf.view(-1)
+    assert not slot.idle()
+    del view
+    assert slot.idle()

@@ -314,6 +314,72 @@ def test_cuda_pool_refilled_on_another_stream_waits_for_the_last():
     assert bool((seen == 1).all()), "the refill on another stream overtook the last read"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_pool_reuses_an_idle_buffer():
+    """UntypedStorage.is_shared() is True for every CUDA storage: asked as for host
+    buffers, it made every CUDA buffer look dead, and the pool allocated every call."""
+    from fastpar.replicate import _BufferPool
+
+    pool, dev = _BufferPool(), torch.device("cuda", torch.cuda.current_device())
+    first = pool.get("params", 1 << 20, dev)
+    ptr = first.data_ptr()
+    del first
+    again = pool.get("params", 1 << 20, dev)
+    assert again.data_ptr() == ptr and pool.allocations == 1, "an idle CUDA buffer must be reused"
+    held = pool.get("params", 1 << 20, dev)  # `again` still refers to it: a new one
+    assert held.data_ptr() != ptr and pool.allocations == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_pool_buffer_read_on_a_later_stream_is_not_reallocated_under_the_read():
+    """A buffer allocated on one stream and handed out again on another: once the pool
+    lets it go, the caching allocator must not give its memory to work on the first
+    stream while the second still reads it (the pool record_stream-s each handout)."""
+    from fastpar.replicate import _BufferPool
+
+    n = 1 << 24
+    pool, dev = _BufferPool(), torch.device("cuda", torch.cuda.current_device())
+    first, second = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    with torch.cuda.stream(first):
+        buf = pool.get("params", n, dev)  # allocated on `first`
+        buf.fill_(1)
+    del buf
+    with torch.cuda.stream(second):
+        buf = pool.get("params", n, dev)  # reused on `second`, after `first`
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU time queued on `second`
+        seen = buf.clone()  # a replica's read on `second`, behind the sleep
+    assert pool.allocations == 1
+    del buf, pool  # the buffer goes back to the caching allocator
+    with torch.cuda.stream(first):
+        other = torch.empty(n, dtype=torch.uint8, device=dev)  # the same block, if it were free
+        other.fill_(2)
+    torch.cuda.synchronize()
+    assert bool((seen == 1).all()), "the buffer was reallocated and written while a later stream read it"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_cuda_replicate_steady_state_allocates_nothing():
+    # Three devices where there are: RNN staging on the source serves every other device.
+    devices = list(range(min(torch.cuda.device_count(), 3)))
+    net = nn.Sequential(nn.Linear(5, 5), nn.BatchNorm1d(5), nn.LSTM(5, 3, batch_first=True)).cuda(devices[0])
+    for _ in range(2):
+        replicate(net, devices, detach=True)
+        gc.collect()
+    pool = _POOLS[net]
+    before = pool.allocations
+    for step in range(3):
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(0.5)
+        reps = replicate(net, devices, detach=True)
+        params = dict(net.named_parameters())
+        for r in reps[1:]:
+            assert all(torch.equal(t.cpu(), params[n].cpu()) for n, t in _plain_tensors(r)), step
+        del reps
+        gc.collect()
+    assert pool.allocations == before, "steady state allocates nothing"
+
+
 def test_third_order_gradient_through_replicate_counts_every_replica():
     """ReduceAddCoalesced's backward is differentiable (BroadcastCoalesced), as torch's:
     a plain broadcast there cut replicas 1.. out of higher-order graphs, so a third
