@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import os
 import sys
 import threading
 
@@ -187,6 +188,9 @@ class ResultCache:
 _gc_lock = threading.Lock()
 _gc_depth = 0
 _gc_was_enabled = False
+#: Open blocks per thread (``threading.get_ident()`` -> count): after a fork, only the
+#: forking thread's can ever end.
+_gc_open: dict = {}
 
 
 @contextlib.contextmanager
@@ -202,17 +206,44 @@ def gc_paused():
     objects and frees none, and the collector runs again at the next allocation after
     it. Nested and concurrent blocks (replica threads) share one pause: the collector
     is turned back on when the last one ends, and only if it was on when the first
-    began (a caller that turned it off keeps it off)."""
+    began (a caller that turned it off keeps it off). A process forked meanwhile keeps
+    only the forking thread's blocks (see :func:`_gc_after_fork`)."""
     global _gc_depth, _gc_was_enabled
+    me = threading.get_ident()
     with _gc_lock:
         if _gc_depth == 0:
             _gc_was_enabled = gc.isenabled()
             gc.disable()
         _gc_depth += 1
+        _gc_open[me] = _gc_open.get(me, 0) + 1
     try:
         yield
     finally:
         with _gc_lock:
             _gc_depth -= 1
+            if _gc_open[me] > 1:
+                _gc_open[me] -= 1
+            else:
+                del _gc_open[me]
             if _gc_depth == 0 and _gc_was_enabled:
                 gc.enable()
+
+
+def _gc_after_fork() -> None:
+    """In a forked child: the blocks other threads had open will never end there (those
+    threads do not exist in it), so they no longer count, and the collector is turned
+    back on if they alone held it off. Without this a child forked while another thread
+    was inside a block (a DataLoader worker) ran with the collector off for good, every
+    later block finding it "paused" already. The lock is made anew: it may have been
+    held by one of those threads."""
+    global _gc_lock, _gc_depth, _gc_open
+    _gc_lock = threading.Lock()
+    own = _gc_open.get(threading.get_ident(), 0)
+    _gc_open = {threading.get_ident(): own} if own else {}
+    if _gc_depth and not own and _gc_was_enabled:
+        gc.enable()
+    _gc_depth = own
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_gc_after_fork)

@@ -279,6 +279,55 @@ def test_gc_paused_overlapping_threads():
         assert seen == [False, False] and gc.isenabled()
 
 
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_gc_paused_in_another_thread_does_not_outlive_a_fork():
+    """A process forked while another thread is inside a gc_paused block (a DataLoader
+    worker forked while a background thread splits a result into views) holds only the
+    forking thread: that block never ends there, so the child must not inherit the
+    pause (it ran with the collector off for good) nor a held lock."""
+    import os
+    import threading
+
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold():
+        with _alloc.gc_paused():
+            inside.set()
+            leave.wait(30)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    try:
+        assert inside.wait(10)
+        assert not gc.isenabled()
+        r, w = os.pipe()
+        import warnings
+
+        with warnings.catch_warnings():  # (3.12+: "use of fork() may lead to deadlocks")
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child reports through the pipe
+            try:
+                os.close(r)
+                at_start = gc.isenabled()
+                with _alloc.gc_paused():
+                    inside_block = gc.isenabled()
+                after = gc.isenabled()
+                os.write(w, f"{int(at_start)}{int(inside_block)}{int(after)}".encode())
+            finally:
+                os._exit(0)
+        os.close(w)
+        with os.fdopen(r, "rb") as f:
+            got = f.read().decode()
+        os.waitpid(pid, 0)
+        # on at the start, off inside its own block, on again after it
+        assert got == "101", f"child: collector enabled at start/inside/after = {got!r}"
+    finally:
+        leave.set()
+        t.join(10)
+    assert gc.isenabled()
+
+
 def _recording_madvise(monkeypatch):
     calls = []
 
