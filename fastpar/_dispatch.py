@@ -6,6 +6,7 @@ import contextlib
 import contextvars
 import functools
 import importlib
+import threading
 
 import torch
 
@@ -58,10 +59,35 @@ def backend_for(device) -> str:
     return name
 
 
+#: Held while a Triton kernel runs under the interpreter (CPU tensors). The interpreter
+#: keeps its state in module globals (it patches ``triton.language`` for the duration
+#: of a launch and sets the program id on one shared builder), so two threads launching
+#: at once (replica threads, a DDP hook's callback thread, user threads) failed with
+#: "Did you forget to add @triton.jit ?" or ran programs with the other launch's ids.
+#: Reentrant: nothing a launch calls should launch again, but a wait here must never
+#: be on the calling thread itself.
+INTERPRETER_LOCK = threading.RLock()
+
+
+def _interpreted_one_at_a_time(launch):
+    """``launch`` (a Triton launcher), holding :data:`INTERPRETER_LOCK` when its group
+    (the first argument of every launcher) is on the CPU, i.e. interpreted."""
+
+    @functools.wraps(launch)
+    def run(group, *args, **kwargs):
+        if group.device.type == "cuda":
+            return launch(group, *args, **kwargs)
+        with INTERPRETER_LOCK:
+            return launch(group, *args, **kwargs)
+
+    return run
+
+
 @functools.cache
 def _kernel(backend: str, op: str):
     module = importlib.import_module(f"{BACKENDS[backend]}.{OPS[op]}")
-    return getattr(module, op)
+    launch = getattr(module, op)
+    return _interpreted_one_at_a_time(launch) if backend == "triton" else launch
 
 
 def kernel(op: str, device: torch.device):

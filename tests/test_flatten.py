@@ -1812,3 +1812,89 @@ def test_plan_cache_follows_in_place_changes(plan_check):
     """Random sequences of in-place changes to a list between flatten / unflatten_into
     calls (see :class:`PlanCacheMachine`), under each compiled plan re-check."""
     run_state_machine_as_test(PlanCacheMachine, settings=settings(examples(10), stateful_step_count=25))
+
+
+def test_triton_interpreter_launches_from_several_threads():
+    """The Triton interpreter (the triton backend on CPU tensors) keeps its state in
+    module globals: launches from several threads at once (replica threads, a DDP hook's
+    callback thread) failed ("Did you forget to add @triton.jit ?") or mixed up their
+    program ids. They run one at a time, each with the right result."""
+    import threading
+    import time
+    import warnings
+
+    lists = [[torch.randn(1500 + 17 * i + k) for i in range(5)] for k in range(3)]
+    refs = [torch.cat(lst) for lst in lists]
+    errors, done = [], [0, 0, 0]
+    start = threading.Barrier(3)
+
+    def run(k):
+        try:
+            with warnings.catch_warnings(), fastpar.use_backend("triton"):
+                warnings.simplefilter("ignore")
+                start.wait(10)
+                deadline = time.monotonic() + 2.0
+                while time.monotonic() < deadline and not errors:
+                    out = fastpar.flatten(lists[k])
+                    if not torch.equal(out, refs[k]):
+                        errors.append((k, "wrong values"))
+                    done[k] += 1
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append((k, repr(e)[:300]))
+
+    with warnings.catch_warnings(), fastpar.use_backend("triton"):
+        warnings.simplefilter("ignore")
+        fastpar.flatten(lists[0])  # interpreted function made once, before the threads
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors[:3]
+    assert all(done), done
+
+
+def test_triton_interpreter_launches_never_overlap(monkeypatch):
+    """Deterministic form of the test above: a launcher that waits for a second launch
+    to begin while it runs sees none."""
+    import threading
+
+    from fastpar import _dispatch
+    from fastpar.kernels.ops_triton import flatten as triton_flatten
+
+    real = triton_flatten.flatten
+    inside = threading.Event()
+    overlapped = []
+
+    def slow(group, out, scale, **kw):
+        if inside.is_set():
+            overlapped.append(True)
+        inside.set()
+        try:
+            threading.Event().wait(0.5)  # a second launch would begin meanwhile
+            real(group, out, scale, **kw)
+        finally:
+            inside.clear()
+
+    monkeypatch.setattr(triton_flatten, "flatten", slow)
+    _dispatch._kernel.cache_clear()
+    try:
+        ts = [torch.randn(100) for _ in range(3)]
+        results = [None, None]
+
+        def run(i):
+            import warnings
+
+            with warnings.catch_warnings(), fastpar.use_backend("triton"):
+                warnings.simplefilter("ignore")
+                results[i] = fastpar.flatten(ts)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        _dispatch._kernel.cache_clear()
+    assert not overlapped, "two interpreted launches ran at once"
+    assert all(r is not None and torch.equal(r, torch.cat(ts)) for r in results)
