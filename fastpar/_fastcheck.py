@@ -35,6 +35,7 @@ import ctypes
 import operator
 import sys
 import sysconfig
+import threading
 import warnings
 
 import numba
@@ -275,6 +276,9 @@ def _make_bump():
 
 _bump = None
 _bump_ready = False
+#: Held while the compiled check or bump is made (first use): threads calling fastpar
+#: for the first time together make it once, and none sees it half made.
+_INIT_LOCK = threading.Lock()
 
 
 def increment_versions(tensors, impls: np.ndarray) -> None:
@@ -284,9 +288,11 @@ def increment_versions(tensors, impls: np.ndarray) -> None:
     inference tensors."""
     global _bump, _bump_ready
     if not _bump_ready:
-        with torch.inference_mode(False), torch.no_grad():  # normal probe tensors (see _checker)
-            _bump = _make_bump()
-        _bump_ready = True
+        with _INIT_LOCK:
+            if not _bump_ready:
+                with torch.inference_mode(False), torch.no_grad():  # normal probe tensors (see _checker)
+                    _bump = _make_bump()
+                _bump_ready = True
     if _bump is None or _bump(impls) != -1:
         torch.autograd.graph.increment_version(list(tensors))
 
@@ -551,11 +557,13 @@ def metadata_guard(tensors):
 def _checker():
     global _numba_check, _numba_check_ready
     if not _numba_check_ready:
-        # Probes must be normal tensors (inference tensors have no version counter and
-        # refuse in-place metadata changes), whatever mode the first call runs in.
-        with torch.inference_mode(False), torch.no_grad():
-            _numba_check = _make_numba_check()
-        _numba_check_ready = True
+        with _INIT_LOCK:
+            if not _numba_check_ready:
+                # Probes must be normal tensors (inference tensors have no version counter
+                # and refuse in-place metadata changes), whatever mode the first call runs in.
+                with torch.inference_mode(False), torch.no_grad():
+                    _numba_check = _make_numba_check()
+                _numba_check_ready = True
     return _numba_check
 
 

@@ -1164,6 +1164,35 @@ def test_fast_paths_calibrate_even_when_first_used_in_inference_mode():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
 
 
+def test_fast_paths_are_made_once_when_threads_first_use_them_together():
+    """Threads calling fastpar for the first time together made the compiled check (and
+    the version bump) once each, the last one made replacing the others (a plan built
+    with one's snapshot could meet another that lacked check_meta); now one makes it
+    under a lock and the others wait for it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import threading, torch, numpy as np\n"
+        "import fastpar._fastcheck as F\n"
+        "made = []\n"
+        "for name in ('_make_numba_check', '_make_bump'):\n"
+        "    orig = getattr(F, name)\n"
+        "    setattr(F, name, lambda orig=orig, name=name: made.append(name) or orig())\n"
+        "import fastpar\n"
+        "go = threading.Barrier(4)\n"
+        "def work():\n"
+        "    ts = [torch.randn(3), torch.randn(2)]\n"
+        "    go.wait()\n"
+        "    fastpar.unflatten_into(torch.ones(5), ts)\n"
+        "threads = [threading.Thread(target=work) for _ in range(4)]\n"
+        "[t.start() for t in threads]; [t.join() for t in threads]\n"
+        "assert sorted(made) == ['_make_bump', '_make_numba_check'], made\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 def test_numba_broadcast_refuses_a_buffer_it_would_overrun():
     from fastpar._plan import plan_for
     from fastpar.kernels.ops_numba.flatten import broadcast
