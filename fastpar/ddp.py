@@ -179,11 +179,11 @@ def _check_once(group, buf: torch.Tensor, wire: torch.dtype, who: str) -> None:
 # ---------------------------------------------------------------------------------------
 # Fused passes over one bucket.
 
-# Kernels on CPU tensors run under a lock: a compress hook's pass for one bucket runs on
-# the autograd thread while the cast back of another runs on gloo's callback thread, and
-# neither Numba's workqueue threading layer nor the Triton interpreter may be entered
-# from two threads at once. Both passes are memory-bound, so little overlap is lost.
-_cpu_lock = threading.Lock()
+# A compress hook's pass for one bucket runs on the autograd thread while the cast back
+# of another runs on gloo's callback thread. What may not be entered from two threads at
+# once is locked where it is launched, for every caller: Numba's parallel regions (its
+# workqueue layer) under ``PARALLEL_LOCK`` (kernels/ops_numba/_common.py, taken by the
+# bound passes), the Triton interpreter under ``_dispatch.INTERPRETER_LOCK``.
 
 
 class _Bucket:
@@ -192,7 +192,7 @@ class _Bucket:
     low-precision buffers the compress hooks reduce in, and each pass resolved to a
     ready launch (see :func:`_launch`)."""
 
-    __slots__ = ("alive", "device", "group", "low", "on_cpu", "passes")
+    __slots__ = ("alive", "device", "group", "low", "passes")
 
     def __init__(self, buf: torch.Tensor) -> None:
         self.alive = StorageWeakRef(buf.untyped_storage())
@@ -204,9 +204,8 @@ class _Bucket:
         self.low: dict = {}
         #: (op, flat address, flat dtype, scale, divide) -> _Pass.
         self.passes: dict = {}
-        # Read per pass; from the tensor they cost more than the rest of the lookup.
+        # Read per pass; from the tensor it costs more than the rest of the lookup.
         self.device = buf.device
-        self.on_cpu = buf.device.type == "cpu"
 
 
 class _BucketCache:
@@ -331,11 +330,7 @@ def _launch(op: str, entry: _Bucket, bucket_buf: torch.Tensor, flat: torch.Tenso
             entry.passes.clear()
         p = entry.passes[key] = _Pass(backend, tuned, _bind(op, backend, entry, flat, scale, divide, tuned))
     if p.run is not None:
-        if entry.on_cpu:
-            with _cpu_lock:
-                p.run(bucket_buf, flat)
-        else:
-            p.run(bucket_buf, flat)
+        p.run(bucket_buf, flat)
     increment_version(bucket_buf if op != "flatten" else flat)
 
 
