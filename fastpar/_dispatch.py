@@ -46,14 +46,19 @@ def _requested() -> str:
 def backend_for(device) -> str:
     """The backend that runs ops on ``device`` (a torch.device or a device string;
     ``FASTPAR_BACKEND`` or :func:`use_backend` override ``auto``)."""
-    device = torch.device(device)
+    return backend_for_type(torch.device(device).type)
+
+
+def backend_for_type(device_type: str) -> str:
+    """:func:`backend_for` from the device type (``"cpu"``, ``"cuda"``...), for callers
+    that keep it: ``torch.device.type`` makes a new string on every read."""
     name = _requested()
     if name == "auto":
-        return AUTO.get(device.type, "torch")
+        return AUTO.get(device_type, "torch")
     allowed = RUNS_ON[name]
-    if allowed is not None and device.type not in allowed:
+    if allowed is not None and device_type not in allowed:
         raise RuntimeError(
-            f"backend {name!r} cannot run on {device.type} tensors (it runs on {', '.join(sorted(allowed))}); "
+            f"backend {name!r} cannot run on {device_type} tensors (it runs on {', '.join(sorted(allowed))}); "
             f"use FASTPAR_BACKEND=auto"
         )
     return name

@@ -192,7 +192,7 @@ class _Bucket:
     low-precision buffers the compress hooks reduce in, and each pass resolved to a
     ready launch (see :func:`_launch`)."""
 
-    __slots__ = ("alive", "device", "group", "low", "passes")
+    __slots__ = ("alive", "device_type", "group", "low", "passes")
 
     def __init__(self, buf: torch.Tensor) -> None:
         self.alive = StorageWeakRef(buf.untyped_storage())
@@ -204,8 +204,9 @@ class _Bucket:
         self.low: dict = {}
         #: (op, flat address, flat dtype, scale, divide) -> _Pass.
         self.passes: dict = {}
-        # Read per pass; from the tensor it costs more than the rest of the lookup.
-        self.device = buf.device
+        # Read per pass: from the tensor, or from a torch.device (whose ``type`` makes
+        # a new string each read), it would cost more than the rest of the lookup.
+        self.device_type = buf.device.type
 
 
 class _BucketCache:
@@ -314,7 +315,7 @@ def _launch(op: str, entry: _Bucket, bucket_buf: torch.Tensor, flat: torch.Tenso
     at the next call), and the launch is resolved again when either changed. On Numba
     a tuned ``chunk`` is used but not ``parallel_min_bytes``: bucket passes run on every
     core from 1 MiB (``_BUCKET_PARALLEL_MIN_BYTES``)."""
-    backend = _dispatch.backend_for(entry.device)
+    backend = _dispatch.backend_for_type(entry.device_type)
     if op == "flatten":
         src_dtype, dst_dtype = bucket_buf.dtype, flat.dtype
     else:
@@ -331,7 +332,12 @@ def _launch(op: str, entry: _Bucket, bucket_buf: torch.Tensor, flat: torch.Tenso
         p = entry.passes[key] = _Pass(backend, tuned, _bind(op, backend, entry, flat, scale, divide, tuned))
     if p.run is not None:
         p.run(bucket_buf, flat)
-    increment_version(bucket_buf if op != "flatten" else flat)
+    if op != "flatten":
+        increment_version(bucket_buf)
+    elif flat is not entry.low.get(flat.dtype):
+        # A low-precision buffer the hook keeps is its own, never seen by autograd: its
+        # version bump would cost a microsecond a pass for no one.
+        increment_version(flat)
 
 
 def _bind(op: str, backend: str, entry: _Bucket, flat: torch.Tensor, scale, divide: bool, tuned: dict):
