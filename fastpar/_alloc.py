@@ -25,6 +25,7 @@ import threading
 import torch
 
 from . import _env
+from .kernels._launch import fork_safe_lock
 
 __all__ = ["empty", "gc_paused", "ResultCache", "use_count"]
 
@@ -142,7 +143,7 @@ class ResultCache:
         self.per_key = per_key
         self._slots: dict = {}  # (dtype, numel, inference mode) -> [IdleBuffer], oldest key first
         self._bytes = 0
-        self._lock = threading.Lock()
+        self._lock = fork_safe_lock()
 
     def empty(self, numel: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, bool]:
         """A 1-D host buffer of ``numel`` elements and whether it is a reused one (its

@@ -11,6 +11,7 @@ import threading
 import torch
 
 from . import _cuda, _env
+from .kernels._launch import fork_safe_lock
 
 #: Backend name -> package of its kernels (same file and function names in each).
 BACKENDS = {
@@ -71,7 +72,7 @@ def backend_for_type(device_type: str) -> str:
 #: "Did you forget to add @triton.jit ?" or ran programs with the other launch's ids.
 #: Reentrant: nothing a launch calls should launch again, but a wait here must never
 #: be on the calling thread itself.
-INTERPRETER_LOCK = threading.RLock()
+INTERPRETER_LOCK = fork_safe_lock(threading.RLock())
 
 
 def _interpreted_one_at_a_time(launch):

@@ -35,7 +35,6 @@ import ctypes
 import operator
 import sys
 import sysconfig
-import threading
 import warnings
 
 import numba
@@ -44,6 +43,8 @@ import torch
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
+
+from .kernels._launch import fork_safe_lock
 
 _T = torch.Tensor
 _get_cdata = operator.attrgetter("_cdata")
@@ -278,7 +279,7 @@ _bump = None
 _bump_ready = False
 #: Held while the compiled check or bump is made (first use): threads calling fastpar
 #: for the first time together make it once, and none sees it half made.
-_INIT_LOCK = threading.Lock()
+_INIT_LOCK = fork_safe_lock()
 
 
 def increment_versions(tensors, impls: np.ndarray) -> None:

@@ -22,7 +22,6 @@ import contextvars
 import operator
 import sys
 import weakref
-import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,6 +30,7 @@ import torch
 from . import _env
 from ._fastcheck import metadata_snapshot, same_tensors
 from ._validate import no_memory_error
+from .kernels._launch import fork_safe_lock
 
 _T = torch.Tensor
 _get_device = operator.attrgetter("device")
@@ -458,7 +458,7 @@ class _PlanCache:
     def __init__(self) -> None:
         self.size = _env.number("FASTPAR_PLAN_CACHE", 32)
         self._plans: collections.OrderedDict = collections.OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = fork_safe_lock()
         self.hits = 0
         self.misses = 0
 

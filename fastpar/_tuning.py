@@ -52,6 +52,8 @@ from pathlib import Path
 
 import torch
 
+from .kernels._launch import fork_safe_lock
+
 log = logging.getLogger("fastpar.tuning")
 
 #: Schema tag of the tuned-results files (bump on any incompatible change).
@@ -477,7 +479,7 @@ class _Table:
         return hit
 
 
-_lock = threading.RLock()
+_lock = fork_safe_lock(threading.RLock())
 #: (backend, device) -> _Table or None (defaults), filled on first use.
 _tables: dict = {}
 #: slug -> _Table or None, so two devices of one kind read the file once.

@@ -1,7 +1,6 @@
 """``fastpar.DataParallel``: a drop-in for ``torch.nn.DataParallel`` on fastpar's kernels."""
 from __future__ import annotations
 
-import threading
 import warnings
 from itertools import chain
 from typing import TypeVar
@@ -10,6 +9,7 @@ import torch
 from torch.nn.modules import Module
 
 from . import comm, rnn
+from .kernels._launch import fork_safe_lock
 from .parallel_apply import parallel_apply
 from .replicate import replicate
 from .scatter_gather import gather, scatter_kwargs
@@ -177,7 +177,7 @@ class DataParallel(torch.nn.DataParallel[T]):
 
 #: Held while a forward packs the module's RNN weights: two first forwards at once
 #: would rebind the same weights under each other's replicas.
-_FLATTEN_LOCK = threading.Lock()
+_FLATTEN_LOCK = fork_safe_lock()
 
 
 def _on_cuda(m) -> bool:

@@ -29,7 +29,6 @@ Example::
 # hooks' annotations with ``dist.GradBucket`` and ``Future[Tensor]`` objects, and
 # postponed (string) annotations would fail that check.
 import contextvars
-import threading
 import weakref
 import zlib
 
@@ -42,6 +41,7 @@ from . import _alloc, _dispatch, _tuning
 from ._flatten import flatten, unflatten_into
 from ._plan import Group, plan_for, transient_tensors
 from ._validate import FLOAT_DTYPES, check_conversion
+from .kernels._launch import fork_safe_lock
 
 __all__ = [
     "allreduce_hook",
@@ -220,7 +220,7 @@ class _BucketCache:
 
     def __init__(self) -> None:
         self._entries: dict = {}
-        self._lock = threading.Lock()
+        self._lock = fork_safe_lock()
 
     def get(self, buf: torch.Tensor) -> _Bucket:
         key = (buf.device, buf.data_ptr(), buf.numel(), buf.dtype)

@@ -16,7 +16,6 @@ never overwritten (a new one is allocated instead).
 """
 from __future__ import annotations
 
-import threading
 import weakref
 from collections import OrderedDict
 
@@ -28,6 +27,7 @@ from . import _alloc, comm, rnn
 from ._flatten import byte_layout, byte_views, pack_bytes
 from ._functions import Broadcast
 from ._plan import plan_for
+from .kernels._launch import fork_safe_lock
 
 __all__ = ["replicate"]
 
@@ -48,7 +48,7 @@ class _BufferPool:
     def __init__(self) -> None:
         self._slots: dict = {}
         self._streams: dict = {}  # key -> the CUDA stream current when last handed out
-        self._lock = threading.Lock()
+        self._lock = fork_safe_lock()
         self.allocations = 0
 
     def get(self, key, nbytes: int, device: torch.device) -> torch.Tensor:

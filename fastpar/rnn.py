@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -30,6 +29,7 @@ from . import _alloc, _dispatch, _tuning
 from ._flatten import _staged_groups
 from ._plan import Group, plan_for
 from ._validate import check_conversion, check_memory, check_not_inference, check_not_recorded
+from .kernels._launch import fork_safe_lock
 
 __all__ = ["RNNLayout", "flatten_parameters", "is_flat", "pack"]
 
@@ -423,7 +423,7 @@ _ZEROS: dict = {}
 #: that work's data into the gaps). They are small (the largest gap of a layout, at least
 #: 1024 elements) and only replaced when a layout has a larger gap than any before.
 _RETIRED_ZEROS: list = []
-_ZEROS_LOCK = threading.Lock()
+_ZEROS_LOCK = fork_safe_lock()
 #: Plan group -> {layout: packing group}; entries go with the plan (weak keys).
 _PACKING: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import collections
 import os
 import threading
+import weakref
 
 #: The process ``fastpar`` was imported in (``fastpar/__init__`` imports this module).
 #: A forked child of it has another PID: see :func:`forked`.
@@ -18,11 +19,44 @@ def forked() -> bool:
     region in a forked child once its parent has used it: the child is killed
     ("fork() called from a process already using GNU OpenMP") or waits forever at the
     region's barrier. Launchers run serially where this is True."""
+    global _get_worker_info
     if os.getpid() != IMPORT_PID:
         return True
-    from torch.utils.data import get_worker_info
+    if _get_worker_info is None:  # imported here once: torch.utils.data is slow to import
+        from torch.utils.data import get_worker_info as _get_worker_info
+    return _get_worker_info() is not None
 
-    return get_worker_info() is not None
+
+_get_worker_info = None
+
+
+#: Every lock made by :func:`fork_safe_lock` (held weakly: a lock goes with its owner).
+_FORK_SAFE_LOCKS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def fork_safe_lock(lock=None):
+    """``lock`` (a new ``threading.Lock`` by default), made free again in a forked child.
+
+    A child of ``fork()`` holds a copy of every lock as it was, but only the forking
+    thread: a lock another thread held at that instant (a DDP hook on gloo's callback
+    thread, a replica thread, a user thread inside a fastpar call) is held by no one
+    there and would never be released, and the child's first fastpar call that takes it
+    (every launch counts itself under one) would wait forever. As the standard library
+    does for its own locks (``logging``, ``concurrent.futures``), the child re-creates
+    them: what they guarded was left by threads that do not exist there."""
+    if lock is None:
+        lock = threading.Lock()
+    _FORK_SAFE_LOCKS.add(lock)
+    return lock
+
+
+def _reinit_locks_after_fork() -> None:
+    for lock in list(_FORK_SAFE_LOCKS):
+        lock._at_fork_reinit()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reinit_locks_after_fork)
 
 
 class LaunchCounter:
@@ -33,7 +67,7 @@ class LaunchCounter:
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = fork_safe_lock()
         self.total = 0
         self.by_op: collections.Counter[tuple[str, str]] = collections.Counter()
 

@@ -1332,6 +1332,79 @@ def test_forked_child_runs_parallel_launches_serially(case):
     assert res.returncode == 0, f"{case}: exit {res.returncode}\n{res.stderr[-2000:]}"
 
 
+_LOCKS_FORK_SCRIPT = """
+import os, sys, threading, warnings, torch, fastpar
+from fastpar import _dispatch, _plan, _tuning, comm, ddp
+from fastpar.kernels import _launch
+from fastpar.kernels.ops_numba import _common
+ts = [torch.randn(n) for n in (1, 7, 1 << 20)]
+fastpar.flatten(ts)  # plans, kernels and tuning read in the parent
+held = {"launch counter": _launch.launches._lock, "plan cache": _plan._CACHE._lock,
+        "Numba parallel regions": _common.PARALLEL_LOCK, "Triton interpreter": _dispatch.INTERPRETER_LOCK,
+        "tuning tables": _tuning._lock, "comm result cache": comm._RESULTS._lock,
+        "DDP bucket cache": ddp._buckets._lock}
+missing = [k for k, lock in held.items() if lock not in _launch._FORK_SAFE_LOCKS]
+assert not missing, f"not re-made in a forked child: {missing}"
+locks = list(_launch._FORK_SAFE_LOCKS)
+inside, leave = threading.Event(), threading.Event()
+def hold():  # another thread inside fastpar calls at the instant of fork()
+    for lock in locks:
+        lock.acquire()
+    inside.set()
+    leave.wait(60)
+    for lock in locks:
+        lock.release()
+t = threading.Thread(target=hold)
+t.start()
+inside.wait(30)
+with warnings.catch_warnings():  # (3.12+: "use of fork() may lead to deadlocks")
+    warnings.simplefilter("ignore", DeprecationWarning)
+    pid = os.fork()
+if pid == 0:
+    code = 1
+    try:
+        torch.set_num_threads(1)
+        ok = torch.equal(fastpar.flatten(ts), torch.cat(ts))
+        (r,) = comm.reduce_add_coalesced([[ts[1]], [ts[1]]], "cpu")
+        ok = ok and torch.equal(r, ts[1] * 2)
+        ok = ok and all(lock.acquire(blocking=False) for lock in locks)
+        code = 0 if ok else 2
+    finally:
+        os._exit(code)
+import signal, time
+deadline = time.monotonic() + 60
+while True:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        break
+    if time.monotonic() > deadline:  # killed here: a hung child must not outlive the test
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        sys.exit("the forked child hung on a lock another thread of its parent held")
+    time.sleep(0.05)
+leave.set()
+t.join()
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_forked_child_is_not_blocked_by_locks_another_thread_held():
+    """A child forked while another thread held fastpar's locks (a DDP hook on gloo's
+    callback thread, a replica thread) has only the forking thread: those locks would
+    stay held there for good, and its first launch (counted under a lock) would hang.
+    They are made anew in the child."""
+    import subprocess
+    import sys
+
+    try:
+        res = subprocess.run([sys.executable, "-c", _LOCKS_FORK_SCRIPT], capture_output=True, text=True,
+                             timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the test script hung")
+    assert res.returncode == 0, f"exit {res.returncode}\n{res.stderr[-2000:]}"
+
+
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 @pytest.mark.parametrize("to_flat", [True, False], ids=["flatten", "unflatten_into"])
 def test_numba_streamed_plain_copy(dtype, to_flat):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import platform
-import threading
 
 import numba
 import numpy as np
@@ -305,7 +304,7 @@ else:
 #: user threads, DDP's gloo callback thread and the autograd thread may all launch. The
 #: kernels are memory-bound and each already uses every core: serialising them costs
 #: little. Serial launches (small calls) need no lock.
-PARALLEL_LOCK = threading.Lock()
+PARALLEL_LOCK = _launch.fork_safe_lock()
 
 
 def launch_lock(parallel: bool):
