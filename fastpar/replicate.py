@@ -104,7 +104,7 @@ class _Placement:
         special = rnn_positions.union(sparse)
         rest = [i for i in range(len(tensors)) if i not in special]
         rest_copies = self._broadcast([tensors[i] for i in rest])
-        rnn_copies = [self._pack_rnn(m, [tensors[i] for i in pos]) for m, pos in self.rnn_groups]
+        rnn_copies = [self._pack_rnn(k, m, [tensors[i] for i in pos]) for k, (m, pos) in enumerate(self.rnn_groups)]
         for j, d in enumerate(self.devices[1:], 1):
             copies = [None] * len(tensors)
             for i, c in zip(rest, rest_copies[j - 1]):
@@ -139,16 +139,20 @@ class _Placement:
                 bufs.append(b)
         return [byte_views(b, plan, layout) for b in bufs]
 
-    def _pack_rnn(self, module, weights) -> list[list[torch.Tensor]]:
-        """For each replica ``j >= 1``, its weights of RNN ``module``: views of a buffer
-        in the layout cuDNN wants on its device. Replicas on the weights' own device
-        (host replicas) are packed together in one launch; each other device gets one
-        launch packing on the source in its layout, then one copy."""
+    def _pack_rnn(self, k: int, module, weights) -> list[list[torch.Tensor]]:
+        """For each replica ``j >= 1``, its weights of RNN ``module`` (the network's
+        ``k``-th packed RNN): views of a buffer in the layout cuDNN wants on its device.
+        Replicas on the weights' own device (host replicas) are packed together in one
+        launch; each other device gets one launch packing on the source in its layout,
+        then one copy.
+
+        The buffers are kept under ``k``, not the module: a network whose RNN is replaced
+        (a new module each time, the old ones kept) would otherwise add slots for good."""
         src = weights[0].device
         local, result = [], []
         for j, device in enumerate(self.devices[1:], 1):
             layout = rnn.RNNLayout.for_module(module, device=device)
-            buf = self.pool.get((self.tag, "rnn", id(module), j), layout.numel * layout.dtype.itemsize, device)
+            buf = self.pool.get((self.tag, "rnn", k, j), layout.numel * layout.dtype.itemsize, device)
             flat = buf.view(layout.dtype)
             if device == src:
                 local.append(flat)
@@ -156,7 +160,7 @@ class _Placement:
             else:
                 # Pack on the source in the destination's layout, then one copy.
                 src_layout = rnn.RNNLayout(**{**_layout_fields(layout), "device": src})
-                staging = self.pool.get((self.tag, "rnn", id(module), 0), buf.numel(), src)
+                staging = self.pool.get((self.tag, "rnn", k, 0), buf.numel(), src)
                 rnn.pack(weights, src_layout, out=staging.view(layout.dtype))
                 buf.copy_(staging, non_blocking=True)
                 # Idle again for the next device's pack (which queues behind this copy on

@@ -152,6 +152,23 @@ def test_buffers_are_reused_and_never_overwritten_while_referenced():
     assert pool.allocations == before, "steady state allocates nothing"
 
 
+def test_replacing_an_rnn_does_not_grow_the_pool():
+    # The RNN buffers were kept under id(module): every new LSTM put in the network (the
+    # old ones still alive elsewhere) added slots that stayed as long as the network.
+    net = nn.Sequential(nn.Linear(5, 5), nn.LSTM(5, 3, batch_first=True))
+    kept = []
+    for step in range(6):
+        kept.append(net[1])
+        net[1] = nn.LSTM(5, 3, batch_first=True)
+        reps = replicate(net, ["cpu", "cpu"], detach=True)
+        params = dict(net.named_parameters())
+        assert all(torch.equal(t, params[n]) for n, t in _plain_tensors(reps[1])), step
+        del reps
+        if step == 0:
+            slots = len(_POOLS[net]._slots)
+    assert len(_POOLS[net]._slots) == slots, "each replaced RNN left its buffers in the pool"
+
+
 def test_replica_buffers_held_through_their_storage_object_are_not_refilled():
     # A replica's weight kept only as its Python storage object (no tensor): the use count
     # does not see it, the pool must.
