@@ -21,6 +21,7 @@ import gc
 import os
 import sys
 import threading
+import weakref
 
 import torch
 
@@ -93,9 +94,14 @@ class IdleBuffer:
     there and is not asked: a CUDA buffer sent to another process stays referenced by
     its sender for as long as the receiver uses it (torch's rule for CUDA tensors in
     multiprocessing), which the use count sees. Asked, it made every CUDA buffer look
-    dead, and replicate's pool allocated afresh on every call."""
+    dead, and replicate's pool allocated afresh on every call.
 
-    __slots__ = ("buf", "storage", "nbytes", "uses", "refs", "host")
+    Python weak references to that storage object count too: without this slot holding
+    it, the object would die with the last result and ``weakref.ref(r.untyped_storage())``
+    would return None; held here, it stays alive, and a weak reference kept past the
+    results would hand back the storage after a later call refilled it."""
+
+    __slots__ = ("buf", "storage", "nbytes", "uses", "refs", "weak", "host")
 
     def __init__(self, buf: torch.Tensor) -> None:
         self.buf = buf
@@ -103,6 +109,7 @@ class IdleBuffer:
         self.nbytes = self.storage.nbytes()
         self.uses = use_count(buf)
         self.refs = sys.getrefcount(self.storage)
+        self.weak = weakref.getweakrefcount(self.storage)
         self.host = buf.device.type == "cpu"
 
     def intact(self) -> bool:
@@ -113,7 +120,7 @@ class IdleBuffer:
     def idle(self) -> bool:
         """True when nothing but this slot refers to the buffer, and it is intact."""
         return (use_count(self.buf) == self.uses and sys.getrefcount(self.storage) == self.refs
-                and self.intact())
+                and weakref.getweakrefcount(self.storage) == self.weak and self.intact())
 
 
 class ResultCache:

@@ -127,6 +127,43 @@ def test_result_cache_sees_references_the_use_count_does_not(hold):
         assert torch.empty(0).set_(untyped, 0, (2,)).tolist() == [2.0, 2.0]
 
 
+def test_result_cache_sees_a_weak_reference_to_the_storage():
+    # torch frees a result's storage object with its last tensor, so a weak reference to
+    # it dies then; the cache keeps that object alive, and a weak reference kept past the
+    # results must keep the buffer out of reuse (it would hand back refilled memory).
+    import weakref
+
+    cache = _alloc.ResultCache(max_bytes=1 << 30)
+    a, _ = cache.empty(N, torch.float32, "cpu")
+    a.fill_(2.0)
+    ref, ptr = weakref.ref(a.untyped_storage()), _storage_ptr(a)
+    del a
+    b, reused = cache.empty(N, torch.float32, "cpu")
+    b.fill_(5.0)
+    assert not reused and _storage_ptr(b) != ptr, "a buffer still weakly referenced was handed out again"
+    assert torch.empty(0).set_(ref(), 0, (2,)).tolist() == [2.0, 2.0]
+
+
+def test_reduce_results_weakly_referenced_storage_is_not_refilled():
+    import weakref
+
+    from fastpar import comm
+
+    lists = [[torch.randn(N), torch.randn(3, 5)] for _ in range(2)]
+    comm.reduce_add_coalesced(lists, "cpu")  # compile first (see the test above)
+    gc.collect()
+    comm._RESULTS.clear()
+    r = comm.reduce_add_coalesced(lists, "cpu")
+    ref, kept = weakref.ref(r[0].untyped_storage()), r[0][:4].clone()
+    del r
+    for _ in range(2):  # both kept buffers of the key
+        again = comm.reduce_add_coalesced([[torch.full((N,), 7.0), torch.zeros(3, 5)]] * 2, "cpu")
+        del again
+    storage = ref()
+    if storage is not None:  # torch's own results: the object died with them
+        assert torch.equal(torch.empty(0).set_(storage, 0, (4,)), kept), "a later call refilled it"
+
+
 def test_result_cache_replaces_a_resized_buffer():
     cache = _alloc.ResultCache(max_bytes=1 << 30, per_key=1)
     a, _ = cache.empty(N, torch.float32, "cpu")

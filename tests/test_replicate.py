@@ -187,6 +187,29 @@ def test_replica_buffers_held_through_their_storage_object_are_not_refilled():
     assert torch.equal(new[1][0].weight, net[0].weight)
 
 
+def test_replica_buffers_weakly_referenced_through_their_storage_are_not_refilled():
+    # Only a weak reference to a replica weight's storage object is kept: with torch's
+    # replicate it would be dead once the replicas are; the pool keeps the object alive,
+    # so it must not refill the buffer that reference can still reach.
+    import weakref
+
+    net = small_net()
+    reps = replicate(net, ["cpu", "cpu"], detach=True)
+    w = reps[1][0].weight
+    ref, off, n = weakref.ref(w.untyped_storage()), w.storage_offset(), w.numel()
+    before = w.detach().clone().reshape(-1)
+    del reps, w
+    gc.collect()
+    with torch.no_grad():
+        net[0].weight.add_(1.0)
+    new = replicate(net, ["cpu", "cpu"], detach=True)
+    st = ref()
+    if st is not None:
+        kept = torch.empty(0).set_(st, off, (n,))
+        assert torch.equal(kept, before), "a buffer still weakly referenced through its storage was refilled"
+    assert torch.equal(new[1][0].weight, net[0].weight)
+
+
 def test_concurrent_replicates_never_share_a_buffer():
     import threading
     import sys
