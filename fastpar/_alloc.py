@@ -156,9 +156,11 @@ class ResultCache:
         """A 1-D host buffer of ``numel`` elements and whether it is a reused one (its
         pages already mapped); other devices get :func:`empty` (their allocators cache).
 
-        The tensor returned is a new view of the buffer: while the caller holds it (or
-        anything made from it), the buffer counts as in use, so two threads never get
-        the same one."""
+        The tensor returned is a new tensor over the buffer's storage: while the caller
+        holds it (or anything made from it), the buffer counts as in use, so two threads
+        never get the same one. It is ``detach()``-ed, not a ``view``: a view's ``_base``
+        is the kept tensor itself, which the use count does not see held (the same
+        tensor as the slot's), so a caller keeping ``result._base`` saw it refilled."""
         device = torch.device(device)
         nbytes = numel * dtype.itemsize
         if device.type != "cpu" or nbytes > self.max_bytes or nbytes < _MIN_BYTES:
@@ -171,7 +173,7 @@ class ResultCache:
             self._slots[key] = slots  # most recently used last
             for slot in slots:
                 if slot.idle():
-                    return slot.buf.view(-1), True
+                    return slot.buf.detach(), True
             # A slot whose buffer was resized or shared is never idle again: replace it.
             dead = [sl for sl in slots if not sl.intact()]
             for sl in dead:
@@ -184,7 +186,7 @@ class ResultCache:
                 while self._bytes > self.max_bytes:
                     old_key = next(iter(self._slots))
                     self._bytes -= sum(sl.buf.numel() * sl.buf.element_size() for sl in self._slots.pop(old_key))
-            return buf.view(-1), False
+            return buf.detach(), False
 
     def clear(self) -> None:
         """Drop every kept buffer (their memory is freed once their results are gone)."""

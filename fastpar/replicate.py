@@ -55,8 +55,8 @@ class _BufferPool:
         """A uint8 buffer of ``nbytes`` on ``device``: the one kept under ``key`` when
         nothing else refers to it (:class:`fastpar._alloc.IdleBuffer`), else a new one.
 
-        Returned as a new view made under the lock: it counts as a use at once, so two
-        threads replicating the same module never get the same buffer."""
+        Returned as a new tensor over it (``detach()``) made under the lock: it counts as a
+        use at once, so two threads replicating the same module never get the same buffer."""
         with self._lock:
             slot = self._slots.get(key)
             # Every view (a replica's parameter, a tensor saved for backward) holds a
@@ -75,7 +75,7 @@ class _BufferPool:
                     current.wait_stream(last)
                 self._streams[key] = current
                 buf.record_stream(current)  # (a no-op on the stream it was allocated on)
-            return buf.view(-1)
+            return buf.detach()  # not a view: its ``_base`` would be the slot's own tensor
 
 
 #: One pool per replicated network (dropped with it).

@@ -164,6 +164,40 @@ def test_reduce_results_weakly_referenced_storage_is_not_refilled():
         assert torch.equal(torch.empty(0).set_(storage, 0, (4,)), kept), "a later call refilled it"
 
 
+def test_result_cache_sees_the_base_of_what_it_handed_out():
+    # What empty() returns must not lead back to the kept tensor: as a view, its _base
+    # was that very tensor, held without raising the storage's use count.
+    cache = _alloc.ResultCache(max_bytes=1 << 30)
+    a, _ = cache.empty(N, torch.float32, "cpu")
+    a.fill_(2.0)
+    base, ptr = a._base, _storage_ptr(a)
+    del a
+    b, reused = cache.empty(N, torch.float32, "cpu")
+    b.fill_(5.0)
+    if base is not None:
+        assert not reused and _storage_ptr(b) != ptr, "a buffer still referenced through _base was handed out again"
+        assert base[:2].tolist() == [2.0, 2.0]
+    else:  # nothing held: the buffer is free
+        assert reused and _storage_ptr(b) == ptr
+
+
+def test_buffer_pool_sees_the_base_of_what_it_handed_out():
+    from fastpar.replicate import _BufferPool
+
+    pool, dev = _BufferPool(), torch.device("cpu")
+    a = pool.get("k", 64, dev)
+    a.fill_(2)
+    base = a._base
+    del a
+    b = pool.get("k", 64, dev)
+    b.fill_(5)
+    if base is not None:
+        assert pool.allocations == 2, "a buffer still referenced through _base was handed out again"
+        assert base[:2].tolist() == [2, 2]
+    else:  # nothing held: the buffer is free
+        assert pool.allocations == 1
+
+
 def test_result_cache_replaces_a_resized_buffer():
     cache = _alloc.ResultCache(max_bytes=1 << 30, per_key=1)
     a, _ = cache.empty(N, torch.float32, "cpu")
