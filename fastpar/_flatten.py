@@ -57,7 +57,7 @@ def flatten(tensors, *, dtype=None, scale=None, out=None):
     ``dtype`` and multiplied by ``scale`` in the same pass when those are given.
 
     Args:
-        tensors (sequence of Tensor): dense tensors on one device, of any shapes
+        tensors (list or tuple of Tensor): dense tensors on one device, of any shapes
             (non-contiguous and 0-dim included). They must share one dtype unless
             ``dtype`` is given.
         dtype (torch.dtype, optional): dtype of the result. Default: the tensors' dtype.
@@ -74,10 +74,15 @@ def flatten(tensors, *, dtype=None, scale=None, out=None):
         Tensor: ``out`` if given, else a new tensor.
 
     Raises:
-        TypeError: ``tensors`` is not a sequence of dense tensors, they mix dtypes without
-            ``dtype``, or ``dtype``/``scale``/``out`` has the wrong type or dtype.
+        TypeError: ``tensors`` is not a list or tuple of dense tensors, they mix dtypes
+            without ``dtype``, ``dtype``/``scale``/``out`` has the wrong type or dtype,
+            ``out`` is not a dense (strided) tensor, or the kernels do not convert or
+            scale these dtypes (elements of 1, 2, 4 or 8 bytes are copied as they are,
+            so complex128 is refused; casts and ``scale`` take the float and integer
+            dtypes, not bool or complex).
         ValueError: ``tensors`` is empty, the tensors are on several devices, or ``out``
-            has the wrong size, device or layout, or overlaps an input.
+            has the wrong size or device, is not contiguous and 1-D, is a lazily
+            conjugated or negated view, or overlaps an input.
         RuntimeError: ``out`` cannot be written here (an inference tensor outside
             inference mode, or a tensor requiring grad with grad mode on).
 
@@ -129,13 +134,14 @@ def unflatten(flat, tensors):
 
     Args:
         flat (Tensor): a contiguous 1-D tensor holding exactly the tensors' total numel.
-        tensors (sequence of Tensor): tensors whose shapes the views take.
+        tensors (list or tuple of Tensor): tensors whose shapes the views take.
 
     Returns:
         tuple of Tensor: views into ``flat`` (with ``flat``'s dtype and device).
 
     Raises:
-        TypeError: ``tensors`` is not a sequence of dense tensors, or ``flat`` not a tensor.
+        TypeError: ``tensors`` is not a list or tuple of dense tensors, or ``flat`` not a
+            dense tensor.
         ValueError: ``flat`` is not 1-D and contiguous, or holds another numel.
 
     Example::
@@ -167,15 +173,16 @@ def unflatten_into(flat, tensors, *, scale=None) -> None:
     Args:
         flat (Tensor): a contiguous 1-D tensor on the tensors' device holding exactly
             their total numel; it must not overlap them.
-        tensors (sequence of Tensor): destinations; they may mix dtypes (one launch per
+        tensors (list or tuple of Tensor): destinations; they may mix dtypes (one launch per
             dtype) and be non-contiguous (written through a contiguous temporary).
         scale (float or 0-dim Tensor, optional): multiply on the way (floating-point
             dtypes only), as in :func:`flatten`.
 
     Raises:
         TypeError: as :func:`flatten`, for ``tensors``, ``flat`` and ``scale``.
-        ValueError: ``flat`` has the wrong size, device or layout, or overlaps a
-            destination; two destinations share memory; a destination overlaps itself.
+        ValueError: ``flat`` has the wrong size or device, is not contiguous and 1-D, is
+            a lazily conjugated or negated view, or overlaps a destination; two
+            destinations share memory; a destination overlaps itself.
         RuntimeError: a destination is an inference tensor outside inference mode.
 
     Nothing is written when a call is refused.

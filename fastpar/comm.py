@@ -297,10 +297,11 @@ def broadcast_coalesced(tensors, devices, buffer_size=_DEFAULT_BUFFER):
     writes every copy directly. Sparse COO tensors are copied on their own, as torch's.
 
     Args:
-        tensors (sequence): tensors to broadcast; all must be on ``devices[0]``.
+        tensors (list or tuple of Tensor): tensors to broadcast; all must be on
+            ``devices[0]``.
         devices (Iterable[torch.device, str or int]): devices to copy to.
-        buffer_size (int): accepted for compatibility with torch (torch copies in
-            chunks of at most this many bytes); fastpar always makes one buffer.
+        buffer_size (int): a positive int, accepted for compatibility with torch (torch
+            copies in chunks of at most this many bytes); fastpar always makes one buffer.
 
     Returns:
         A list with one list of tensors per device; ``result[0]`` holds ``tensors``
@@ -459,8 +460,9 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
             have the same length and, at each position, the same shape and dtype.
         destination (int, str or torch.device, optional): device for the results, one
             of the inputs' devices (default: the current CUDA device, or the CPU).
-        buffer_size (int): accepted for compatibility with torch (torch reduces in
-            chunks of at most this many bytes); fastpar reduces everything at once.
+        buffer_size (int): a positive int, accepted for compatibility with torch (torch
+            reduces in chunks of at most this many bytes); fastpar reduces everything at
+            once.
         out (Sequence[Tensor], optional, keyword-only): contiguous tensors on
             ``destination`` to write the sums into in place (e.g. the ``.grad`` tensors of
             the source module); they must not overlap the inputs.

@@ -469,7 +469,7 @@ def pack(weights, layout: RNNLayout, *, out=None) -> torch.Tensor:
     The buffer starts at storage offset 0, as cuDNN requires.
 
     Args:
-        weights (sequence of Tensor): the weights in ``layout.names`` order (a module's
+        weights (list or tuple of Tensor): the weights in ``layout.names`` order (a module's
             ``_flat_weights``), with the layout's shapes, on the layout's device and of
             one dtype (converted to ``layout.dtype`` on the way when it differs).
             Non-contiguous weights are accepted (one extra copy each).
