@@ -24,7 +24,9 @@ def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
         kwargs_tup (sequence of dict, optional): keyword arguments per module.
         devices (sequence, optional): the device of each module (CUDA or ``"cpu"``; a
             None entry, or no sequence, means the device of its first tensor input, or
-            with none the current CUDA device, as in torch; without CUDA that is an error).
+            with none the current CUDA device; without CUDA that is a ``ValueError``).
+            torch's ``parallel_apply`` resolves every None entry to the current CUDA
+            device up front, whatever device the inputs are on.
 
     Returns:
         list: each module's output, in order. An exception raised in any replica is
