@@ -708,8 +708,11 @@ def sync_params(module, src: int = 0, process_group=None) -> None:
         process_group (ProcessGroup, optional): the group; default: the default group.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Module`` or ``src`` is not an int.
+        TypeError: ``module`` is not an ``nn.Module``, ``src`` is not an int, or
+            ``process_group`` is neither None nor a ``ProcessGroup``.
         ValueError: ``src`` is not a rank of the group, or ranks hold different modules.
+        RuntimeError: ``process_group`` is None and ``torch.distributed`` is not
+            initialized.
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
