@@ -375,8 +375,20 @@ def _check_buffer_size(buffer_size) -> None:
 # ------------------------------------------------------------------------------ reduce
 def reduce_path(devices, destination) -> str:
     """``"host"``, ``"peer"`` or ``"staged"``: how a reduction from ``devices`` onto
-    ``destination`` runs (see the module docstring)."""
-    devs = [_device(d, "devices") for d in devices]
+    ``destination`` runs (see the module docstring).
+
+    Args:
+        devices (Iterable[torch.device, str or int]): the inputs' devices (repeats
+            allowed, as for :func:`reduce_add_coalesced`).
+        destination (torch.device, str or int): the device the sums are written on.
+
+    Raises:
+        TypeError: ``devices`` is a single device or string rather than an iterable of
+            them, or an entry is not an int, str or torch.device.
+        ValueError: an entry is not a device, or ``devices`` mixes CPU and CUDA.
+        RuntimeError: CUDA devices on a machine without CUDA.
+    """
+    devs = _devices(devices, "devices", unique=False)
     dst = _device(destination, "destination")
     if dst.type == "cpu":
         return "host"

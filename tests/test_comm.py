@@ -319,6 +319,16 @@ def test_host_path_logged(caplog):
     assert comm.reduce_path(["cpu", "cpu"], "cpu") == "host"
 
 
+def test_reduce_path_checks_devices_as_the_ops_do():
+    # reduce_path read a string as its characters ("devices: 'c' is not a device") and
+    # named a bad entry "devices" rather than its position.
+    with pytest.raises(TypeError, match="devices must be a list, tuple or other iterable of devices, got str"):
+        comm.reduce_path("cpu", "cpu")
+    with pytest.raises(ValueError, match=r"devices\[1\]: 'gpu' is not a device"):
+        comm.reduce_path(["cpu", "gpu"], "cpu")
+    assert comm.reduce_path((d for d in ["cpu", "cpu"]), "cpu") == "host"
+
+
 # ------------------------------------------------------------------------- broadcast
 def test_broadcast_coalesced_shares_one_storage_per_device(backend):
     ts = [rand(s, d) for s, d in MIXED_SHAPES] + [rand((6, 4), torch.float32).t()]
