@@ -228,7 +228,9 @@ def unflatten_into(flat, tensors, *, scale=None) -> None:
         launch(g, flat, scale, **_tuning.params("unflatten_into", backend, flat.dtype, g.dtype, plan.numel))
     with torch.no_grad():  # writes bypass autograd, as for the contiguous tensors
         for dst, tmp in pending:
-            dst.copy_(tmp)  # (this bumps dst's version; the line below bumps it again)
+            # Through .data (an alias with a version counter of its own): the line below
+            # bumps dst's version, once, as for every other tensor (dst.copy_ bumped it too).
+            dst.data.copy_(tmp)
     increment_versions(plan.tensors, plan.impls)
 
 

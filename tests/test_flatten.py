@@ -1094,6 +1094,32 @@ def test_unflatten_into_bumps_versions_so_autograd_sees_the_write():
         y.backward()
 
 
+# (Not the torch reference backend: its per-tensor copy_ bumps each version once more.)
+@pytest.mark.parametrize("be", ["numba", "triton"])
+def test_unflatten_into_bumps_each_version_once_as_copy_does(be):
+    """Each destination's version goes up by one, as ``copy_`` into it would: the staged
+    ones (non-contiguous or lazily negated: written through a temporary and ``copy_``)
+    were bumped a second time with the others. Views of one base share its counter,
+    which then goes up once per view written, as torch's writes would."""
+    rows, cols = torch.zeros(4, 6), torch.zeros(4, 6)
+    ts = [torch.zeros(3), torch.zeros(4, 2).t(), torch._neg_view(torch.zeros(2)),
+          rows[:2], rows[2:], cols[:, :3], cols[:, 3:]]
+    n = sum(t.numel() for t in ts)
+    flat = torch.arange(float(n))
+    with fastpar.use_backend(be):
+        for call in range(2):  # a new plan, then the cached one
+            before = [t._version for t in ts]
+            fastpar.unflatten_into(flat, ts)
+            assert [t._version - v for t, v in zip(ts, before)] == [1, 1, 1, 2, 2, 2, 2], f"call {call}"
+    assert torch.equal(torch.cat([t.reshape(-1) for t in ts]), flat)
+    ref = [t.clone() for t in ts]  # (a counter each)
+    before = [t._version for t in ref]
+    with torch.no_grad():
+        for t, piece in zip(ref, flat.split([t.numel() for t in ts])):
+            t.copy_(piece.view(t.shape))
+    assert [t._version - v for t, v in zip(ref, before)] == [1] * 7
+
+
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
 def test_plan_cache_sees_swapped_tensors_and_rejects_nested():
     a, b = torch.arange(6.0), torch.arange(3.0)
