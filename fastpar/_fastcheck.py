@@ -10,7 +10,7 @@ is not; lists of ``PARALLEL_CHECK_MIN_TENSORS`` or more are split across the thr
 pool where a parallel region may start and no kernel holds it), reading each tensor's
 ``TensorImpl`` fields (ndim, inline sizes and strides, numel, dtype, storage, storage
 offset and dispatch key set, whose conj/neg bits
-``a.data = a.conj()`` flips in place) and its ``StorageImpl``'s data pointer at
+``a.data = a.conj()`` flips in place) and its ``StorageImpl``'s data pointer and size at
 offsets found by calibrating against probe tensors at first use and verified by mutating
 them; where that calibration fails, or a tensor has more than 5 dimensions (sizes out
 of line), dynamo's C++ ``TensorGuards`` does the metadata check instead (about 80 ns a
@@ -132,8 +132,8 @@ def _calibrate():
 
 def _calibrate_storage():
     """Offsets (in int64 words) of: the ``StorageImpl`` pointer and the storage offset in
-    a ``TensorImpl``, and the data pointer in a ``StorageImpl``; None unless every probe
-    agrees. A tensor's data pointer is its storage's data pointer plus its storage offset
+    a ``TensorImpl``, and the data pointer and the size in bytes in a ``StorageImpl``;
+    None unless every probe agrees. A tensor's data pointer is its storage's data pointer plus its storage offset
     (times the item size, which the dtype check pins), so comparing these three words
     compares data pointers without calling into torch."""
     base = torch.empty(64)
@@ -145,11 +145,16 @@ def _calibrate_storage():
     o = [w for w in range(2, _WORDS) if all(i[w] == st[1] for i, st in zip(impls, store))]
     # from_numpy's storage keeps its data and its deleter context apart, so only the
     # data word itself matches every probe.
-    stor_words = [_words(st[0], 6) for st in store]
+    stor_words = [_words(st[0], 12) for st in store]
     sd = [w for w in range(2, 6) if all(sw[w] == st[2] for sw, st in zip(stor_words, store))]
     if len(s) != 1 or len(o) != 1 or len(sd) != 1:
         return None
-    return s[0], o[0], sd[0]
+    # The size follows the DataPtr (data, deleter context, device).
+    nbytes = [t.untyped_storage().nbytes() for t in probes]
+    nb = [w for w in range(sd[0] + 3, 12) if all(sw[w] == b for sw, b in zip(stor_words, nbytes))]
+    if len(nb) != 1:
+        return None
+    return s[0], o[0], sd[0], nb[0]
 
 
 def _calibrate_keyset(d: int):
@@ -353,7 +358,8 @@ def _make_numba_check():
     keyset = _calibrate_keyset(layout[3]) if layout is not None else None
     if layout is not None and storage is not None and keyset is not None:
         _, k, m, d = layout
-        s_w, o_w, sd_w = storage
+        s_w, o_w, sd_w, nb_w = storage
+        st_top = max(sd_w + 3, nb_w + 1)
         ks_w = keyset
         top = max(d, s_w, o_w, ks_w) + 1
 
@@ -362,9 +368,9 @@ def _make_numba_check():
             """Row per tensor: ndim, 5 sizes, 5 strides, numel, dtype, StorageImpl,
             storage offset, the storage's ``DataPtr`` (data pointer and the two words
             after it, its deleter and context), and the dispatch key set (conj and neg
-            bits) (ndim > 5: ndim -1)."""
+            bits), and the storage's size in bytes (ndim > 5: ndim -1)."""
             items = _list_items(list_addr, n, proto)
-            out = np.zeros((n, 19), dtype=np.int64)
+            out = np.zeros((n, 20), dtype=np.int64)
             for i in range(n):
                 obj = numba.carray(address_as_pointer(items[i], proto), (impl_word + 1,))
                 w = numba.carray(address_as_pointer(obj[impl_word], proto), (top,))
@@ -380,11 +386,12 @@ def _make_numba_check():
                 out[i, 12] = w[d] & 0xFFFF
                 out[i, 13] = w[s_w]
                 out[i, 14] = w[o_w]
-                dp = numba.carray(address_as_pointer(w[s_w], proto), (sd_w + 3,))
+                dp = numba.carray(address_as_pointer(w[s_w], proto), (st_top,))
                 out[i, 15] = dp[sd_w]
                 out[i, 16] = dp[sd_w + 1]
                 out[i, 17] = dp[sd_w + 2]
                 out[i, 18] = w[ks_w]
+                out[i, 19] = dp[nb_w]
             return out
 
         @numba.njit(nogil=False, cache=False)
@@ -413,8 +420,13 @@ def _make_numba_check():
                 # The whole DataPtr, not only the address: a lazy clone (copy on write)
                 # keeps the address and swaps the deleter context, and must not be
                 # written through the old plan (torch's data_ptr() would un-share it).
-                dp = numba.carray(address_as_pointer(w[s_w], proto), (sd_w + 3,))
+                # And the storage's size: resize_(0) then regrowing it smaller can give back
+                # the very same DataPtr (the allocator reuses the block), and a destination
+                # reaching past the new end must then be refused (Plan.first_short).
+                dp = numba.carray(address_as_pointer(w[s_w], proto), (st_top,))
                 if dp[sd_w] != meta[i, 15] or dp[sd_w + 1] != meta[i, 16] or dp[sd_w + 2] != meta[i, 17]:
+                    return False
+                if dp[nb_w] != meta[i, 19]:
                     return False
             return True
 
@@ -498,6 +510,7 @@ def _make_numba_check():
                            lambda: setattr(b, "data", b.data.view(torch.int64)[:4]),
                            lambda: b.set_(torch.empty(3, dtype=torch.int64).untyped_storage()),
                            lambda: b.resize_(1 << 16), lambda: a.set_(a.untyped_storage(), 1, (2,), (1,)),
+                           lambda: b.untyped_storage().resize_(b.untyped_storage().nbytes() + 8),
                            lambda: setattr(c, "data", c.conj())):
                 before = snapshot(probe)
                 mutate()
@@ -507,7 +520,8 @@ def _make_numba_check():
                     ok &= (row[0] == nd and list(row[1 : 1 + nd]) == sizes
                            and list(row[6 : 6 + nd]) == strides and row[11] == numel
                            and row[13] == t.untyped_storage()._cdata and row[14] == t.storage_offset()
-                           and row[15] == t.untyped_storage().data_ptr())
+                           and row[15] == t.untyped_storage().data_ptr()
+                           and row[19] == t.untyped_storage().nbytes())
                 ok &= not np.array_equal(before, after)
             ok &= c.is_conj()
             ids = np.array([id(t) for t in probe], dtype=np.int64)

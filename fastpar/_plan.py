@@ -305,6 +305,31 @@ class Plan(_Numel):
                 (i for i, t in enumerate(self.tensors) if t.requires_grad), -1)
         return hit
 
+    def first_short(self) -> int:
+        """Position of the first tensor reaching past the end of its storage (one shrunk
+        with ``untyped_storage().resize_()``), or -1: a kernel writing it would write
+        past the allocation. Computed once per plan where the compiled check guards it
+        (it compares each storage's size too), else on every call."""
+        hit = self.__dict__.get("_short")
+        if hit is not None:
+            return hit
+        result = -1
+        n = len(self.tensors)
+        if self.device.type != "meta" and n:
+            extent = self.numels.copy()  # elements spanned: the numel, if contiguous
+            for i in self.noncontig.tolist():
+                t = self.tensors[i]
+                if t.numel():
+                    extent[i] = 1 + sum((k - 1) * st for k, st in zip(t.shape, t.stride()))
+            offset = np.fromiter(map(_T.storage_offset, self.tensors), np.int64, n)
+            have = np.fromiter(map(torch.UntypedStorage.nbytes, map(_T.untyped_storage, self.tensors)), np.int64, n)
+            itemsize = np.fromiter((d.itemsize for d in self.dtypes), np.int64, n)
+            bad = np.nonzero((self.numels > 0) & ((offset + extent) * itemsize > have))[0]
+            result = int(bad[0]) if len(bad) else -1
+        if self.meta is not None:
+            self.__dict__["_short"] = result
+        return result
+
     def self_overlap(self) -> tuple[int, int] | None:
         """``(i, j)``, ``i != j``, such that tensors ``i`` and ``j`` may share memory, or
         None (computed once per plan). Exact between contiguous tensors; a non-contiguous

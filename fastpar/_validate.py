@@ -143,7 +143,11 @@ def check_no_overlap(plan, t: torch.Tensor, name: str, tensors_name: str) -> Non
 
 def check_writable(plan, name: str) -> None:
     """Inference tensors can only be written inside ``torch.inference_mode()`` (as torch's
-    in-place ops require); checked before any launch."""
+    in-place ops require), and no tensor may reach past the end of its storage (one
+    shrunk in place, which a kernel would write past); checked before any launch."""
     if plan.has_inference and not torch.is_inference_mode_enabled():
         i = next(i for i, t in enumerate(plan.tensors) if t.is_inference())
         check_not_inference(plan.tensors[i], f"{name}[{i}]")
+    i = plan.first_short()
+    if i >= 0:
+        check_memory(plan.tensors[i], f"{name}[{i}]")  # raises, with the sizes

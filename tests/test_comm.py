@@ -813,6 +813,19 @@ def test_reduce_out_requiring_grad_is_refused_with_grad_on():
     assert torch.equal(out[1], 2 * a[1])
 
 
+
+def test_reduce_out_reaching_past_its_shrunk_storage_is_refused():
+    """An out tensor whose storage was shrunk in place is refused before any is written
+    (the kernel wrote past its allocation), also when out's plan is cached."""
+    a = [torch.randn(3), torch.randn(1024)]
+    out = [poisoned(3), torch.zeros(1024)]
+    comm.reduce_add_coalesced([a, a], "cpu", out=out)  # plan cached
+    out[1].untyped_storage().resize_(2000)
+    poison_(out[0])
+    with pytest.raises(ValueError, match=r"out\[1\] reaches byte 4096 of its storage, which holds 2000 bytes"):
+        comm.reduce_add_coalesced([a, a], "cpu", out=out)
+    assert out[0].isnan().all(), "a rejected reduce wrote"
+
 def test_out_leaf_requiring_grad_is_written_under_no_grad():
     t = torch.randn(4, 2)
     out = [_leaf_rg(4, 2), _leaf_rg(4, 2)]

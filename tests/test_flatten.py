@@ -1016,6 +1016,52 @@ def test_written_storage_one_element_short_is_refused():
     assert torch.equal(fastpar.flatten([src], out=exact), src)
 
 
+
+def test_destination_reaching_past_its_shrunk_storage_is_refused(backend):
+    """unflatten_into writes its destinations as flatten writes out: one whose storage
+    was shrunk in place (``untyped_storage().resize_()``) is refused before anything is
+    written (it was written past the end of its allocation: heap corruption), also when
+    its plan is cached."""
+    other = poison_(torch.empty(3))
+    short = torch.zeros(8)
+    short.untyped_storage().resize_(28)
+    with pytest.raises(ValueError, match=r"tensors\[1\] reaches byte 32 of its storage, which holds 28 bytes"):
+        fastpar.unflatten_into(torch.randn(11), [other, short])
+    assert other.isnan().all(), "a rejected call wrote"
+    base = torch.zeros(1024)
+    ts = [other, base[512:]]
+    fastpar.unflatten_into(torch.randn(515), ts)  # plan cached
+    base.untyped_storage().resize_(3000)  # past the view's start: it reaches byte 4096
+    poison_(other)
+    with pytest.raises(ValueError, match=r"tensors\[1\] reaches byte 4096 of its storage, which holds 3000 bytes"):
+        fastpar.unflatten_into(torch.randn(515), ts)
+    assert other.isnan().all(), "a rejected call wrote"
+
+
+def test_cached_plan_sees_a_storage_regrown_smaller_at_its_old_address(plan_check):
+    """A storage freed (``resize_(0)``, as FSDP does) and regrown smaller may get its old
+    block back from the allocator: the same DataPtr, and only the storage's size tells
+    that the cached plan's destination now reaches past its end."""
+    other = poison_(torch.empty(3))
+    flats = {n: torch.randn(3 + n) for n in (64, 256, 1024)}  # (made before: kept out of the heap's way)
+    for attempt in range(3000):
+        n = (64, 256, 1024)[attempt % 3]
+        base = torch.zeros(n)
+        ts = [other, base]
+        fastpar.unflatten_into(flats[n], ts)  # plan cached
+        st = base.untyped_storage()
+        addr = st.data_ptr()
+        st.resize_(0)
+        st.resize_(4 * n - 16)
+        if st.data_ptr() == addr:
+            break
+    else:
+        pytest.skip("the allocator never handed the freed block back")
+    poison_(other)
+    with pytest.raises(ValueError, match=rf"tensors\[1\] reaches byte {4 * n} of its storage, which holds {4 * n - 16} bytes"):
+        fastpar.unflatten_into(flats[n], ts)
+    assert other.isnan().all(), "a rejected call wrote"
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")  # numpy, NaN * scale
 def test_bf16_nan_with_low_payload_stays_nan(backend):
     """Rounding float32 to bfloat16 by adding 0x7FFF would carry a NaN whose payload is
