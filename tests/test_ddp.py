@@ -881,6 +881,17 @@ def test_scale_other_backends_match_torch(be, dtype, factor, divide):
     assert _same_bits(store, exp)
 
 
+def test_hook_passes_bump_the_bucket_version_once(backend):
+    # As buf.div_(n) would (the torch reference backend's copy_ added one more).
+    buf = torch.randn(1000)
+    entry, v = fddp._Bucket(buf), buf._version
+    fddp._launch("scale", entry, buf, buf, 0.5)
+    assert buf._version == v + 1
+    low = torch.randn(1000, dtype=torch.bfloat16)
+    fddp._launch("unflatten_into", entry, buf, low, None)
+    assert buf._version == v + 2 and torch.equal(buf, low.float())
+
+
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_cuda_hook_scale_pass_matches_torch(dtype):

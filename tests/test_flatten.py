@@ -377,15 +377,19 @@ def test_plan_cache_sees_replaced_storage():
     assert torch.equal(fastpar.flatten(ts)[:5], torch.full((5,), 3.0))
 
 
-def test_version_counters_bumped():
-    ts = [torch.randn(4)]
-    v = ts[0]._version
-    fastpar.unflatten_into(torch.randn(4), ts)
-    assert ts[0]._version > v
-    out = torch.empty(4)
+def test_version_counters_bumped_once_a_call(backend):
+    # As one in-place op would: the torch reference backend's per-tensor copy_ added one
+    # per tensor to out's counter (and one more to each unflatten_into destination).
+    ts = [torch.randn(4), torch.randn(3)]
+    v = [t._version for t in ts]
+    fastpar.unflatten_into(torch.randn(7), ts)
+    assert [t._version - u for t, u in zip(ts, v)] == [1, 1]
+    out = torch.empty(7)
     v = out._version
     fastpar.flatten(ts, out=out)
-    assert out._version > v
+    assert out._version == v + 1
+    fastpar.flatten(ts, dtype=torch.float64, scale=0.5, out=(out64 := torch.empty(7, dtype=torch.float64)))
+    assert out64._version == 1 and torch.equal(out64, torch.cat(ts).double() * 0.5)
 
 
 # ---------------------------------------------------------------- bad input
@@ -1140,8 +1144,7 @@ def test_unflatten_into_bumps_versions_so_autograd_sees_the_write():
         y.backward()
 
 
-# (Not the torch reference backend: its per-tensor copy_ bumps each version once more.)
-@pytest.mark.parametrize("be", ["numba", "triton"])
+@pytest.mark.parametrize("be", ["numba", "triton", "torch"])
 def test_unflatten_into_bumps_each_version_once_as_copy_does(be):
     """Each destination's version goes up by one, as ``copy_`` into it would: the staged
     ones (non-contiguous or lazily negated: written through a temporary and ``copy_``)

@@ -18,16 +18,22 @@ def _scaled(src: torch.Tensor, dst_dtype: torch.dtype, scale: float | None) -> t
     return src.to(compute) * scale
 
 
+# The destinations are written through ``.data`` (a version counter of its own), as the
+# other backends' kernels write without touching one: the caller bumps each destination
+# once per call, as one in-place op would (``copy_`` into each would add one more, and one
+# per tensor on the shared counter of ``out``).
+
+
 @torch.no_grad()  # (the kernels write outside autograd: results carry no history)
 def flatten(group, out: torch.Tensor, scale: float | None) -> None:
-    for t, piece in _pieces(group, out):
+    for t, piece in _pieces(group, out.data):
         piece.copy_(_scaled(t, out.dtype, scale))
 
 
 @torch.no_grad()  # (the kernels write outside autograd: results carry no history)
 def unflatten_into(group, flat: torch.Tensor, scale: float | None) -> None:
     for t, piece in _pieces(group, flat):
-        t.copy_(_scaled(piece, t.dtype, scale))
+        t.data.copy_(_scaled(piece, t.dtype, scale))
 
 
 @torch.no_grad()  # (the kernels write outside autograd: results carry no history)

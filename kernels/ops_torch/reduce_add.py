@@ -25,4 +25,4 @@ def reduce_add(group) -> None:
         acc = sources[0][t].reshape(-1).to(group.device, acc_dtype)
         for src in sources[1:]:
             acc = acc + src[t].reshape(-1).to(group.device, acc_dtype)
-        dst.copy_(acc.view(dst.shape))
+        dst.data.copy_(acc.view(dst.shape))  # (.data: the caller bumps each version once)

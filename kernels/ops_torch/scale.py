@@ -13,4 +13,4 @@ def scale(group, factor: float, divide: bool) -> None:
         compute = torch.float64 if t.dtype == torch.float64 else torch.float32
         # A Python scalar does not promote a float32 tensor: the arithmetic is float32.
         x = t.to(compute)
-        t.copy_(x / factor if divide else x * factor)
+        t.data.copy_(x / factor if divide else x * factor)  # (.data: the caller bumps its version once)
