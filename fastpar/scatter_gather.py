@@ -82,9 +82,13 @@ def scatter_kwargs(inputs, kwargs, target_gpus, dim=0):
 
 def gather(outputs, target_device, dim=0):
     r"""Gather per-device outputs onto ``target_device``, walking the same structures;
-    0-dim tensors are gathered into a vector (with torch's warning)."""
+    0-dim tensors are gathered into a vector (with torch's warning).
+
+    ``target_device`` None means what :func:`fastpar.comm.gather`'s ``destination=None``
+    does: the current CUDA device, as torch's ``gather`` takes it, or the CPU for outputs
+    of host replicas."""
     comm._warn_minus_one(target_device, stacklevel=2)
-    dst = comm._device(target_device, "target_device")
+    dst = None if target_device is None else comm._device(target_device, "target_device")
 
     def gather_map(outs):
         out = outs[0]

@@ -242,6 +242,27 @@ def test_gather_passes_none_through():
     assert torch.equal(out[0], torch.cat([a, b])) and out[1] is None
 
 
+def test_gather_to_none_is_the_default_device_as_in_torch():
+    # torch's gather takes target_device None as the current CUDA device; it raised
+    # "target_device must be an int, str or torch.device" here. Host replicas' outputs
+    # gather to the CPU, as comm.gather's destination=None does.
+    a = torch.randn(2, 3, requires_grad=True)
+    b = torch.randn(1, 3, requires_grad=True)
+    out = gather([{"y": a * 1, "n": None}, {"y": b * 1, "n": None}], None)
+    assert out["n"] is None and out["y"].device.type == "cpu"
+    assert torch.equal(out["y"], torch.cat([a, b]))
+    out["y"].sum().backward()
+    assert torch.equal(a.grad, torch.ones(2, 3)) and torch.equal(b.grad, torch.ones(1, 3))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_gather_to_none_is_the_current_device():
+    x = torch.randn(2, 3, device="cuda")
+    out = gather([x, x], None)
+    assert out.device == torch.device("cuda", torch.cuda.current_device())
+    assert torch.equal(out, torch.cat([x, x]))
+
+
 # ----------------------------------------------------------- Properties (hypothesis)
 # Random nested structures (tuples, lists, dicts, OrderedDicts, namedtuples, empty
 # containers, objects other than tensors) holding tensors of any dtype and layout that
