@@ -35,7 +35,7 @@ _FORK_SAFE_LOCKS: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def fork_safe_lock(lock=None):
-    """``lock`` (a new ``threading.Lock`` by default), made free again in a forked child.
+    """``lock`` (a new ``threading.RLock`` by default), made free again in a forked child.
 
     A child of ``fork()`` holds a copy of every lock as it was, but only the forking
     thread: a lock another thread held at that instant (a DDP hook on gloo's callback
@@ -43,16 +43,25 @@ def fork_safe_lock(lock=None):
     there and would never be released, and the child's first fastpar call that takes it
     (every launch counts itself under one) would wait forever. As the standard library
     does for its own locks (``logging``, ``concurrent.futures``), the child re-creates
-    them: what they guarded was left by threads that do not exist there."""
+    them: what they guarded was left by threads that do not exist there.
+
+    Except a lock the forking thread itself holds (a fork from inside a ``with lock:``
+    block, e.g. a logging handler or ``__del__`` run while fastpar holds one): that thread
+    goes on in the child and leaves the block, whose release would raise on a lock made
+    anew ("release unlocked lock"). An ``RLock`` knows its owner (``_is_owned``, the
+    forking thread keeps its ident in the child), so the default is one: a plain
+    ``Lock`` passed in cannot tell and is always made anew."""
     if lock is None:
-        lock = threading.Lock()
+        lock = threading.RLock()
     _FORK_SAFE_LOCKS.add(lock)
     return lock
 
 
 def _reinit_locks_after_fork() -> None:
     for lock in list(_FORK_SAFE_LOCKS):
-        lock._at_fork_reinit()
+        owned = getattr(lock, "_is_owned", None)
+        if owned is None or not owned():  # (held by the forking thread: it releases it)
+            lock._at_fork_reinit()
 
 
 if hasattr(os, "register_at_fork"):

@@ -1480,6 +1480,49 @@ def test_forked_child_is_not_blocked_by_locks_another_thread_held():
     assert res.returncode == 0, f"exit {res.returncode}\n{res.stderr[-2000:]}"
 
 
+_OWN_LOCKS_FORK_SCRIPT = """
+import contextlib, os, sys, warnings, torch, fastpar
+from fastpar import _plan, _tuning, comm
+from fastpar.kernels import _launch
+ts = [torch.randn(n) for n in (1, 7, 1 << 10)]
+fastpar.flatten(ts)
+pid = -1
+try:
+    with contextlib.ExitStack() as stack:  # the forking thread inside fastpar's locks
+        for lock in (_launch.launches._lock, _plan._CACHE._lock, _tuning._lock, comm._RESULTS._lock):
+            stack.enter_context(lock)
+        with warnings.catch_warnings():  # (3.12+: "use of fork() may lead to deadlocks")
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+    if pid == 0:
+        torch.set_num_threads(1)
+        os._exit(0 if torch.equal(fastpar.flatten(ts), torch.cat(ts)) else 2)
+except BaseException as e:
+    if pid == 0:
+        print(f"child: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        os._exit(3)
+    raise
+sys.exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_forked_child_leaves_the_locks_its_forking_thread_held():
+    """A fork from inside a block holding fastpar's locks (a logging handler or a
+    ``__del__`` run while one is held): the forking thread goes on in the child and
+    leaves the block, so the locks it holds must not be made anew there (releasing a
+    re-made lock raised "release unlocked lock" / "cannot release un-acquired lock")."""
+    import subprocess
+    import sys
+
+    try:
+        res = subprocess.run([sys.executable, "-c", _OWN_LOCKS_FORK_SCRIPT], capture_output=True, text=True,
+                             timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the test script hung")
+    assert res.returncode == 0, f"exit {res.returncode}\n{res.stderr[-2000:]}"
+
+
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 @pytest.mark.parametrize("to_flat", [True, False], ids=["flatten", "unflatten_into"])
 def test_numba_streamed_plain_copy(dtype, to_flat):
