@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import platform
+import threading
 
 import numba
 import numpy as np
@@ -303,8 +304,10 @@ else:
 #: threads enter parallel regions at once ("Concurrent access has been detected"), and
 #: user threads, DDP's gloo callback thread and the autograd thread may all launch. The
 #: kernels are memory-bound and each already uses every core: serialising them costs
-#: little. Serial launches (small calls) need no lock.
-PARALLEL_LOCK = _launch.fork_safe_lock()
+#: little. Serial launches (small calls) need no lock. A plain ``Lock``, not reentrant:
+#: the plan check's non-blocking acquire must find the pool busy also when this very
+#: thread holds it (it is held only around a kernel call, never across code that forks).
+PARALLEL_LOCK = _launch.fork_safe_lock(threading.Lock())
 
 
 def launch_lock(parallel: bool):
