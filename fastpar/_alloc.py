@@ -195,7 +195,7 @@ class ResultCache:
             self._bytes = 0
 
 
-_gc_lock = threading.Lock()
+_gc_lock = fork_safe_lock(threading.Lock())  # (made anew in a forked child)
 _gc_depth = 0
 _gc_was_enabled = False
 #: Open blocks per thread (``threading.get_ident()`` -> count): after a fork, only the
@@ -244,10 +244,9 @@ def _gc_after_fork() -> None:
     threads do not exist in it), so they no longer count, and the collector is turned
     back on if they alone held it off. Without this a child forked while another thread
     was inside a block (a DataLoader worker) ran with the collector off for good, every
-    later block finding it "paused" already. The lock is made anew: it may have been
-    held by one of those threads."""
-    global _gc_lock, _gc_depth, _gc_open
-    _gc_lock = threading.Lock()
+    later block finding it "paused" already. (The lock, which one of those threads may
+    have held, is made anew by :func:`fastpar.kernels._launch.fork_safe_lock`'s hook.)"""
+    global _gc_depth, _gc_open
     own = _gc_open.get(threading.get_ident(), 0)
     _gc_open = {threading.get_ident(): own} if own else {}
     if _gc_depth and not own and _gc_was_enabled:

@@ -6,7 +6,6 @@ import contextlib
 import contextvars
 import functools
 import importlib
-import threading
 
 import torch
 
@@ -72,7 +71,7 @@ def backend_for_type(device_type: str) -> str:
 #: "Did you forget to add @triton.jit ?" or ran programs with the other launch's ids.
 #: Reentrant: nothing a launch calls should launch again, but a wait here must never
 #: be on the calling thread itself.
-INTERPRETER_LOCK = fork_safe_lock(threading.RLock())
+INTERPRETER_LOCK = fork_safe_lock()  # (an RLock, its default)
 
 
 def _interpreted_one_at_a_time(launch):

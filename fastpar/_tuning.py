@@ -46,7 +46,6 @@ import os
 import platform
 import re
 import sys
-import threading
 import warnings
 from pathlib import Path
 
@@ -479,7 +478,7 @@ class _Table:
         return hit
 
 
-_lock = fork_safe_lock(threading.RLock())
+_lock = fork_safe_lock()  # (an RLock)
 #: (backend, device) -> _Table or None (defaults), filled on first use.
 _tables: dict = {}
 #: slug -> _Table or None, so two devices of one kind read the file once.
