@@ -1350,6 +1350,20 @@ def test_scale_beyond_float32_range_is_inf_without_a_warning(backend):
     assert torch.equal(got, x * 1e300), got
 
 
+def _run_fork_script(script: str, *args: str, hung: str = "the test script hung") -> None:
+    """Run ``script`` (which forks) in a fresh interpreter, so that this process's
+    threads and OpenMP state stay out of it; fail with its stderr unless it exits 0."""
+    import subprocess
+    import sys
+
+    try:
+        res = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail(hung)
+    what = f"{args[0]}: " if args else ""
+    assert res.returncode == 0, f"{what}exit {res.returncode}\n{res.stderr[-2000:]}"
+
+
 _FORK_SCRIPT = """
 import os, sys, torch, fastpar
 case = sys.argv[1]
@@ -1396,15 +1410,7 @@ def test_forked_child_runs_parallel_launches_serially(case):
     that starts a parallel region after its parent used it: the child must run every
     launch serially, also when the kernels are first imported in the child, when the
     launch was bound in the parent, and in a DataLoader worker."""
-    import subprocess
-    import sys
-
-    try:
-        res = subprocess.run([sys.executable, "-c", _FORK_SCRIPT, case], capture_output=True, text=True,
-                             timeout=240)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{case}: the forked child hung")
-    assert res.returncode == 0, f"{case}: exit {res.returncode}\n{res.stderr[-2000:]}"
+    _run_fork_script(_FORK_SCRIPT, case, hung=f"{case}: the forked child hung")
 
 
 _LOCKS_FORK_SCRIPT = """
@@ -1469,15 +1475,7 @@ def test_forked_child_is_not_blocked_by_locks_another_thread_held():
     callback thread, a replica thread) has only the forking thread: those locks would
     stay held there for good, and its first launch (counted under a lock) would hang.
     They are made anew in the child."""
-    import subprocess
-    import sys
-
-    try:
-        res = subprocess.run([sys.executable, "-c", _LOCKS_FORK_SCRIPT], capture_output=True, text=True,
-                             timeout=240)
-    except subprocess.TimeoutExpired:
-        pytest.fail("the test script hung")
-    assert res.returncode == 0, f"exit {res.returncode}\n{res.stderr[-2000:]}"
+    _run_fork_script(_LOCKS_FORK_SCRIPT)
 
 
 _OWN_LOCKS_FORK_SCRIPT = """
@@ -1512,15 +1510,7 @@ def test_forked_child_leaves_the_locks_its_forking_thread_held():
     ``__del__`` run while one is held): the forking thread goes on in the child and
     leaves the block, so the locks it holds must not be made anew there (releasing a
     re-made lock raised "release unlocked lock" / "cannot release un-acquired lock")."""
-    import subprocess
-    import sys
-
-    try:
-        res = subprocess.run([sys.executable, "-c", _OWN_LOCKS_FORK_SCRIPT], capture_output=True, text=True,
-                             timeout=240)
-    except subprocess.TimeoutExpired:
-        pytest.fail("the test script hung")
-    assert res.returncode == 0, f"exit {res.returncode}\n{res.stderr[-2000:]}"
+    _run_fork_script(_OWN_LOCKS_FORK_SCRIPT)
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
