@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import weakref
 from dataclasses import dataclass, field
 
@@ -123,6 +124,14 @@ class RNNLayout:
         object.__setattr__(self, "names", tuple(self.names))
         object.__setattr__(self, "shapes", tuple(tuple(int(d) for d in s) for s in self.shapes))
         object.__setattr__(self, "offsets", tuple(int(o) for o in self.offsets))
+        # The fields that for_config checks, checked here too (the constructor is public):
+        # a device given as a string is made a torch.device, as pack compares devices.
+        if self.mode not in _GATES:
+            raise ValueError(f"RNNLayout: mode must be one of {', '.join(_GATES)}; got {self.mode!r}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"RNNLayout: dtype must be a torch.dtype, got {type(self.dtype).__name__} "
+                            f"{self.dtype!r}")
+        object.__setattr__(self, "device", _normalize_device(self.device))
         n = len(self.names)
         if len(self.shapes) != n or len(self.offsets) != n:
             raise ValueError(
@@ -172,10 +181,18 @@ class RNNLayout:
         """
         if mode not in _GATES:
             raise ValueError(f"mode must be one of {', '.join(_GATES)}; got {mode!r}")
+        # Any integer type (numpy's too: nn.RNNBase type-checks only input_size and
+        # hidden_size, so a module built with num_layers=np.int64(2) runs in torch),
+        # made a Python int: the layout is a cache key and its fields are compared.
+        sizes = {}
         for name, v, least in (("input_size", input_size, 1), ("hidden_size", hidden_size, 1),
                                ("num_layers", num_layers, 1), ("proj_size", proj_size, 0)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < least:
-                raise ValueError(f"{name} must be an int >= {least}, got {v!r}")
+            if isinstance(v, bool) or not hasattr(type(v), "__index__"):
+                raise TypeError(f"{name} must be an int >= {least}, got {type(v).__name__} {v!r}")
+            sizes[name] = operator.index(v)
+            if sizes[name] < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {sizes[name]}")
+        input_size, hidden_size, num_layers, proj_size = sizes.values()
         if proj_size and (mode != "LSTM" or proj_size >= hidden_size):
             raise ValueError(
                 f"proj_size must be 0, or in [1, hidden_size) for LSTM; got proj_size={proj_size} "

@@ -726,6 +726,47 @@ def test_layout_takes_lists_as_tuples():
     assert_same_bits(out, expected_pack(m._flat_weights, layout), "a layout given lists")
 
 
+def test_layout_of_a_module_built_with_numpy_ints():
+    """nn.RNNBase type-checks only input_size and hidden_size: a module built with
+    ``num_layers=np.int64(2)`` (or a numpy proj_size) runs in torch, and its layout is
+    the one of the same module built with Python ints (the sizes were refused as "not
+    an int >= 1")."""
+    np = pytest.importorskip("numpy")
+    for kind, kw in ((torch.nn.GRU, {"num_layers": np.int64(2)}), (torch.nn.LSTM, {"proj_size": np.int32(3)})):
+        torch.manual_seed(0)
+        m = kind(IN, HID, **kw)
+        plain = RNNLayout.for_module(kind(IN, HID, **{k: int(v) for k, v in kw.items()}))
+        layout = RNNLayout.for_module(m)
+        assert layout == plain and all(type(getattr(layout, k)) is int for k in kw)
+        ref = copy.deepcopy(m)
+        x = torch.randn(SEQ, BATCH, IN)
+        rnn.flatten_parameters(m)
+        assert rnn.is_flat(m)
+        torch.testing.assert_close(m(x)[0], ref(x)[0], rtol=0, atol=0)
+        replica = fastpar.replicate(ref, ["cpu", "cpu"])[1]  # (replicate and DataParallel refused it too)
+        torch.testing.assert_close(replica(x)[0], ref(x)[0], rtol=0, atol=0)
+    with pytest.raises(TypeError, match="num_layers must be an int >= 1, got float 2.0"):
+        RNNLayout.for_config("GRU", 3, 4, 2.0)
+    with pytest.raises(ValueError, match="num_layers must be an int >= 1, got 0"):
+        RNNLayout.for_config("GRU", 3, 4, np.int64(0))
+
+
+def test_layout_constructor_checks_mode_dtype_and_device():
+    """The public constructor checks what for_config checks: a string device is made a
+    torch.device (pack said "weights must be on cpu (the layout's device), got cpu"), a
+    string dtype and an unknown mode are refused up front."""
+    m = make("GRU", 1)
+    layout = RNNLayout.for_module(m)
+    as_str = dataclasses.replace(layout, device="cpu")
+    assert as_str.device == torch.device("cpu") and as_str == layout
+    out = rnn.pack(list(m._flat_weights), as_str, out=poisoned(layout.numel))
+    assert_same_bits(out, expected_pack(m._flat_weights, layout), "a layout given device='cpu'")
+    with pytest.raises(TypeError, match="dtype must be a torch.dtype, got str 'float32'"):
+        dataclasses.replace(layout, dtype="float32")
+    with pytest.raises(ValueError, match="mode must be one of LSTM, GRU, RNN_TANH, RNN_RELU; got 'XXX'"):
+        dataclasses.replace(layout, mode="XXX")
+
+
 # ---------------------------------------------------------------------------------------
 # Properties (hypothesis): random configurations, dtypes, weight layouts and sharing,
 # packed on every CPU backend against expected_pack, bit for bit; flatten_parameters on
