@@ -86,9 +86,10 @@ class RNNLayout:
     On CUDA, when cuDNN would take the weights, the layout is cuDNN's own: read off a
     template module of the same configuration after ``flatten_parameters()`` placed it
     with ``torch._cudnn_rnn_flatten_weight`` (``source == "cudnn"``). Elsewhere (CPU, a
-    dtype cuDNN refuses, cuDNN disabled, ROCm) it is the canonical dense layout: per
-    layer and direction ``w_ih, w_hh, b_ih, b_hh, w_hr`` in PyTorch's order, no gaps
-    (``source == "dense"``). Layouts are cached per configuration and device.
+    dtype ``flatten_parameters()`` does not place (bf16), cuDNN disabled, ROCm) it is
+    the canonical dense layout: per layer and direction ``w_ih, w_hh, b_ih, b_hh,
+    w_hr`` in PyTorch's order, no gaps (``source == "dense"``). Layouts are cached per
+    configuration and device.
 
     Build one with :meth:`for_module` or :meth:`for_config`; the constructor takes
     explicit offsets (checked to lie in the buffer and not to overlap).
@@ -280,7 +281,9 @@ def _layout(mode, input_size, hidden_size, num_layers, bidirectional, bias, proj
 
 def _cudnn_offsets(mode, input_size, hidden_size, num_layers, bidirectional, bias, proj_size, dtype, device):
     """``(offsets, numel)`` where cuDNN placed a template module's weights, or None
-    when ``flatten_parameters()`` left them alone (cuDNN refuses the dtype, ROCm)."""
+    when ``flatten_parameters()`` left them alone (a dtype outside
+    ``torch.backends.cudnn.CUDNN_TENSOR_DTYPES``, such as bf16, which recent torch may
+    still run on cuDNN: see the README's Limits; ROCm)."""
     # Built on the meta device (no memory, no RNG draws), then given uninitialised CUDA
     # storage: ``to_empty`` re-runs ``_init_flat_weights`` -> ``flatten_parameters()``,
     # which hands the weights to ``torch._cudnn_rnn_flatten_weight`` exactly as it would
