@@ -119,3 +119,90 @@ def test_scale_other_configs_compile(cc):
     assert "div.rn.f64" in _compile_scale(cc, torch.float64, divide=True)
     ptx = _compile_scale(cc, torch.float32, divide=False, aligned=False)
     assert ".entry" in ptx and "ld.global.v4" not in ptx
+
+
+
+# --- 64-bit index arithmetic --------------------------------------------------------------
+# Buffers of more than 2**31 elements (or 2**31 bytes) are the GPU's everyday case and the
+# interpreter's never: a 32-bit index wraps silently on hardware. Checked twice:
+# * in TTIR, every pointer offset (``tt.addptr``) is i64 and no i64 value (an address,
+#   numel, offset or block start read from the table) is truncated to i32;
+# * in PTX, no multiply forms a 32-bit result and no compare (the tail mask ``idx < n``)
+#   is 32-bit. (``mul``/``mad.wide.[su]32``, 32-bit inputs into a 64-bit result, are the
+#   table offsets ``k * n_tensors * 8`` and ``pid * 8``: fine.)
+_NARROW_PTX = re.compile(r"\b(?:mul|mad)\.lo\.[su]32\b|\bsetp\.\w+\.[su]32\b")
+_ADDPTR_32 = re.compile(r"tt\.addptr [^:\n]*: [^,\n]+, (?:tensor<[0-9x]*xi32>|i32)\b")
+_TRUNC_64_32 = re.compile(r"arith\.trunci [^:\n]*: (?:tensor<[0-9x]*xi64>|i64) to (?:tensor<[0-9x]*xi32>|i32)\b")
+
+
+def _check_64bit(kernel) -> None:
+    ttir, ptx = kernel.asm["ttir"], kernel.asm["ptx"]
+    assert "tt.addptr" in ttir and not _ADDPTR_32.findall(ttir), f"32-bit pointer offsets: {_ADDPTR_32.findall(ttir)}"
+    assert not _TRUNC_64_32.findall(ttir), f"an i64 index truncated to i32: {_TRUNC_64_32.findall(ttir)}"
+    assert not _NARROW_PTX.findall(ptx), f"32-bit index arithmetic: {sorted(set(_NARROW_PTX.findall(ptx)))}"
+    assert re.search(r"setp\.lt\.s64", ptx), "the tail mask idx < numel must compare in 64 bits"
+
+
+def _compile_copy_kernel(cc, src, dst, scaled, to_flat, aligned):
+    """The copy kernel as ``aot.compile_copy`` builds it, whole (TTIR and PTX)."""
+    from fastpar.kernels.ops_triton import flatten as F
+
+    cx = F.copy_constexprs(src if to_flat else dst, dst if to_flat else src, scaled, to_flat, aligned,
+                           F.DEFAULT_BLOCK)
+    flat_ty = cx["STORE"] if to_flat else cx["SRC"]
+    signature = {"table": "*i64", "n_tensors": "i32", "flat": aot._ty(flat_ty), "scale": "fp64"}
+    return aot.compile_kernel(F._copy_kernel, signature, cx, cc, aligned_args=("table", "flat"))
+
+
+@pytest.mark.parametrize("cc", CCS)
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "unaligned"])
+@pytest.mark.parametrize("to_flat", [True, False], ids=["flatten", "unflatten_into"])
+@pytest.mark.parametrize(
+    "src,dst,scaled",
+    [(torch.float32, torch.float32, False), (torch.float32, torch.bfloat16, True),
+     (torch.int8, torch.int8, False), (torch.float64, torch.float16, False)],
+    ids=str,
+)
+def test_copy_index_math_is_64bit(cc, aligned, to_flat, src, dst, scaled):
+    _check_64bit(_compile_copy_kernel(cc, src, dst, scaled, to_flat, aligned))
+
+
+@pytest.mark.parametrize("cc", CCS)
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "unaligned"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_scale_index_math_is_64bit(cc, aligned, dtype):
+    from fastpar.kernels.ops_triton import scale as S
+
+    cx = S.scale_constexprs(dtype, True, aligned, S.DEFAULT_BLOCK)
+    signature = {"table": "*i64", "n_tensors": "i32", "factor": "fp64"}
+    _check_64bit(aot.compile_kernel(S._scale_kernel, signature, cx, cc, aligned_args=("table",)))
+
+
+@pytest.mark.parametrize("cc", CCS)
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "unaligned"])
+@pytest.mark.parametrize("dtype,k", [(torch.float32, 2), (torch.float16, 3), (torch.int8, 8)], ids=str)
+def test_reduce_index_math_is_64bit(cc, aligned, dtype, k):
+    from fastpar.kernels.ops_triton import reduce_add as R
+
+    cx = R.reduce_constexprs(dtype, k, aligned, R.DEFAULT_BLOCK)
+    signature = {"table": "*i64", "n_tensors": "i32"}
+    _check_64bit(aot.compile_kernel(R._reduce_add_kernel, signature, cx, cc, aligned_args=("table",)))
+
+
+@pytest.mark.parametrize("cc", CCS)
+def test_no_kernel_flushes_subnormals(cc):
+    """The Numba and torch backends keep float32 (and widened 16-bit) subnormals; a
+    ``.ftz`` instruction (libdevice's flush-to-zero variants, picked under
+    ``nvvm-reflect-ftz``) would zero them on the GPU only, where the interpreter cannot
+    show it."""
+    ptxs = []
+    for src, dst, scaled in [(torch.float32, torch.float32, True), (torch.float32, torch.bfloat16, True),
+                             (torch.float16, torch.float32, True), (torch.bfloat16, torch.float16, True),
+                             (torch.float64, torch.float16, True), (torch.float32, torch.int8, False)]:
+        for to_flat in (True, False):
+            ptxs.append(_compile_copy_kernel(cc, src, dst, scaled, to_flat, True).asm["ptx"])
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        ptxs += [_compile_scale(cc, dtype, divide=True), _compile_scale(cc, dtype, divide=False),
+                 aot.compile_reduce(cc, dtype, 3)]
+    flushing = sorted({m for p in ptxs for m in re.findall(r"\b\w+(?:\.\w+)*\.ftz\b(?:\.\w+)*", p)})
+    assert not flushing, f"flush-to-zero instructions: {flushing}"
