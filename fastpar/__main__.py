@@ -4,6 +4,7 @@ torch on the real workloads: table, JSON and plot under results/bench/) and auto
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 from pathlib import Path
@@ -60,7 +61,6 @@ def writable_or_exit(folder, flag: str = "--results-dir") -> int | None:
     """Create ``folder`` and write a scratch file there before any measuring starts, so
     an unwritable results folder costs a message, not a whole run; return 2 (after
     printing why) when it fails, else None."""
-    import os
     import tempfile
 
     folder = Path(folder)
@@ -70,12 +70,15 @@ def writable_or_exit(folder, flag: str = "--results-dir") -> int | None:
         fd, name = tempfile.mkstemp(dir=folder, prefix=".write-test-")
         os.close(fd)
         os.unlink(name)
-        for p in created:  # leave no empty folders behind: the run makes them again
-            p.rmdir()
     except OSError as e:
         print(f"{flag}: cannot write results to {folder} ({type(e).__name__}: {e}); pass {flag} "
               "(or set FASTPAR_RESULTS_DIR) to a writable folder", file=sys.stderr)
         return 2
+    for p in created:  # leave no empty folders behind: the run makes them again
+        try:
+            p.rmdir()
+        except OSError:  # another run is writing there now: its folder, not a failure
+            break
     return None
 
 
@@ -88,6 +91,13 @@ def blank_folder_or_exit(value, flag: str = "--results-dir") -> int | None:
               "($FASTPAR_RESULTS_DIR, else the source checkout's results/, else ~/.cache/fastpar)", file=sys.stderr)
         return 2
     return None
+
+
+def expand_folder(value):
+    """``value`` with a leading ``~`` expanded, as ``FASTPAR_RESULTS_DIR`` is; None for
+    None. The shell leaves ``--results-dir=~/r`` as it is: bench then read the tuned
+    files of ``$HOME/r`` and wrote ``./~/r/bench``, autotune wrote ``./~/r/autotune``."""
+    return None if value is None else os.path.expanduser(value)
 
 
 def comma_list(text, flag: str):
@@ -129,6 +139,7 @@ def _autotune(args) -> int:
     bad = blank_folder_or_exit(args.results_dir)
     if bad:
         return bad
+    args.results_dir = expand_folder(args.results_dir)
     root = args.results_dir if args.results_dir is not None else _tuning.results_dir()
     bad = writable_or_exit(_tuning.autotune_path("probe", Path(root)).parent)
     if bad:

@@ -6,6 +6,7 @@ import contextlib
 import contextvars
 import functools
 import importlib
+import inspect
 
 import torch
 
@@ -93,6 +94,22 @@ def _kernel(backend: str, op: str):
     module = importlib.import_module(f"{BACKENDS[backend]}.{OPS[op]}")
     launch = getattr(module, op)
     return _interpreted_one_at_a_time(launch) if backend == "triton" else launch
+
+
+@functools.cache
+def launcher_keywords(backend: str, op: str) -> dict:
+    """``{name: default}`` of the keyword-only parameters with defaults of ``op``'s
+    launcher on ``backend``: the launch parameters it accepts (tuned ones among them)."""
+    sig = inspect.signature(_kernel(backend, op)).parameters
+    return {p: v.default for p, v in sig.items() if v.kind == v.KEYWORD_ONLY and v.default is not v.empty}
+
+
+@functools.cache
+def launcher_takes_any_keyword(backend: str, op: str) -> bool:
+    """Whether ``op``'s launcher on ``backend`` has ``**kwargs`` (a wrapper standing in
+    for it, say): then any keyword reaches it, and only what it passes on can tell."""
+    sig = inspect.signature(_kernel(backend, op)).parameters
+    return any(v.kind == v.VAR_KEYWORD for v in sig.values())
 
 
 def kernel(op: str, device: torch.device):

@@ -51,6 +51,7 @@ from pathlib import Path
 
 import torch
 
+from . import _dispatch
 from .kernels._launch import fork_safe_lock
 
 log = logging.getLogger("fastpar.tuning")
@@ -385,11 +386,16 @@ _TIMING_FIELDS = ("median_s", "q25_s", "q75_s")
 def validate_results(doc, *, slug: str | None = None, current_versions: dict | None = None) -> None:
     """Validate a tuned-results document; raise :class:`TuningFileError` on the first
     problem. Checked in this order: JSON object, ``schema``, ``digest`` (hand edits),
-    structure of every entry, device ``slug``, then ``versions`` (when given)."""
+    structure of every entry (winners: within the packaged limits, and names the
+    launcher takes), device ``slug``, then ``versions`` (when given)."""
     _expect(isinstance(doc, dict), "document", type(doc).__name__, "a JSON object")
     _expect(doc.get("schema") == SCHEMA, "schema", doc.get("schema"), repr(SCHEMA))
     got = doc.get("digest")
-    if got != digest(doc):
+    try:
+        want = digest(doc)
+    except RecursionError:  # parse_json's depth, reached again a few frames deeper
+        raise TuningFileError("document: nested too deeply to be a tuned-results file") from None
+    if got != want:
         raise TuningFileError(
             f"digest: the content does not match its digest (got {str(got)[:20]!r}...): the file was "
             "edited by hand or truncated; tuned files are written only by `python -m fastpar autotune`"
@@ -447,6 +453,14 @@ def validate_results(doc, *, slug: str | None = None, current_versions: dict | N
             # The file's own space is no guard (it is written by the same hand): the
             # packaged limits are.
             check_floor(v, e["op"], e["backend"], p, f"{w}.winner.params.{p}")
+        if (e["op"] in _dispatch.OPS and e["backend"] in _dispatch.BACKENDS
+                and not _dispatch.launcher_takes_any_keyword(e["backend"], e["op"])):
+            # Winners are passed to the launcher as keyword arguments: a name it does not
+            # take would raise TypeError from every launch (the file's space is no guard).
+            accepted = _dispatch.launcher_keywords(e["backend"], e["op"])
+            for p in win["params"]:
+                _expect(p in accepted, f"{w}.winner.params", p,
+                        f"a parameter of the {e['backend']} {e['op']} launcher ({', '.join(accepted)})")
     if slug is not None:
         _expect(dev["slug"] == slug, "device.slug", dev["slug"], f"{slug!r} (this device)")
     if current_versions is not None and vers != current_versions:
@@ -509,8 +523,12 @@ def _refuse_constant(name: str):
 def parse_json(text: str):
     """``text`` parsed as JSON as tuned files are written: NaN and Infinity, which
     Python's json reads, raise ValueError (the digest's ``json.dumps(allow_nan=False)``
-    would otherwise raise on them later, from every op)."""
-    return json.loads(text, parse_constant=_refuse_constant)
+    would otherwise raise on them later, from every op); so does nesting too deep for
+    the parser (``json`` raises RecursionError, which no caller expects)."""
+    try:
+        return json.loads(text, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise ValueError("nested too deeply to be a tuned-results or search-space file") from None
 
 
 def _load(slug: str, path: Path) -> _Table | None:

@@ -58,7 +58,6 @@ import datetime
 import errno
 import functools
 import importlib
-import inspect
 import itertools
 import json
 import logging
@@ -178,16 +177,15 @@ def _resolve(dotted: str) -> Callable:
 
 def launcher_defaults(op: str, backend: str, names) -> dict:
     """Defaults of ``names`` from the launcher's signature; raises if it lacks one."""
-    fn = _dispatch._kernel(backend, op)
-    sig = inspect.signature(fn).parameters
-    accepted = [p for p, v in sig.items() if v.kind == v.KEYWORD_ONLY and v.default is not v.empty]
+    accepted = _dispatch.launcher_keywords(backend, op)
     missing = [n for n in names if n not in accepted]
     if missing:
+        fn = _dispatch._kernel(backend, op)
         raise _tuning.TuningFileError(
             f"search space lists {', '.join(missing)} for the {backend} {op} launcher, but it accepts "
             f"only {', '.join(accepted) or 'no keyword parameters'} ({fn.__module__}.{fn.__qualname__})"
         )
-    return {n: sig[n].default for n in names}
+    return {n: accepted[n] for n in names}
 
 
 # --------------------------------------------------------------------------- timing
@@ -463,7 +461,7 @@ def tune(ops=None, *, quick: bool = False, space=None, devices=None, root=None, 
         unknown = [o for o in ops if o not in known]
         if unknown:
             raise ValueError(f"ops: {unknown} not in the search space; expected some of {sorted(known)}")
-    root = Path(root) if root is not None else _tuning.results_dir()
+    root = Path(root).expanduser() if root is not None else _tuning.results_dir()
     min_gain = float(space_doc.get("min_gain", 0.03))
     if devices is None:
         devices = [torch.device("cpu")]
@@ -531,10 +529,16 @@ def _umask() -> int:
     return mask
 
 
-def _write_atomic(path: Path, text: str | bytes) -> None:
+def _write_atomic(path: Path, text: str | bytes, *, exclusive: bool = False) -> None:
     """Write ``text`` (or bytes) to a temp file beside ``path``, fsync it, and rename it
-    over ``path``: readers see the old file or the new one, never a partial one."""
+    over ``path``: readers see the old file or the new one, never a partial one.
+
+    ``exclusive``: never replace a file; raise ``FileExistsError`` when ``path`` exists
+    (another run took the name first). The temp file is hard-linked to ``path``, which
+    fails when the name exists, atomically; where the filesystem has no hard links, the
+    name is claimed with ``O_EXCL`` and the temp file renamed over the empty claim."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    claimed = False
     try:
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; results are meant to be shared
         f = os.fdopen(fd, "wb") if isinstance(text, bytes) else os.fdopen(fd, "w", encoding="utf-8")
@@ -542,13 +546,29 @@ def _write_atomic(path: Path, text: str | bytes) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
+        if not exclusive:
+            os.replace(tmp, path)
+            return
         try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+            os.link(tmp, path)
+        except FileExistsError:
+            raise
+        except OSError:  # no hard links here (FAT, some network filesystems)
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            claimed = True
+            os.replace(tmp, path)
+            return
+    except BaseException:
+        for p in ((tmp, path) if claimed else (tmp,)):
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
         raise
+    try:  # linked: the temp name is left to drop
+        os.unlink(tmp)
+    except OSError:
+        pass
 
 
 def dumps(obj, indent: int = 0, width: int = 140) -> str:
@@ -587,7 +607,7 @@ def save(entries: dict, *, device: dict, bounds: list, space: dict, run: dict, r
     buckets as ``<slug>.json.prev``. Returns the path written."""
     from filelock import FileLock
 
-    root = Path(root) if root is not None else _tuning.results_dir()
+    root = Path(root).expanduser() if root is not None else _tuning.results_dir()
     path = _tuning.autotune_path(device["slug"], root)
     path.parent.mkdir(parents=True, exist_ok=True)
     if not os.access(path.parent, os.W_OK):  # fail before taking the lock, with a clear message

@@ -20,7 +20,9 @@ Figures are GB/s = bytes read plus written per call / median time (CPU: median o
 ``time.perf_counter`` after warm-up; CUDA: ``triton.testing.do_bench``). The table is
 printed as Markdown; ``<results>/bench/<device-slug>-<UTC timestamp>.json`` and ``.png``
 (GB/s against the workload's bytes, one line per provider, the copy ceiling dashed) are
-written (``<results>`` as in :mod:`fastpar._tuning`, or ``--results-dir``).
+written (``<results>`` as in :mod:`fastpar._tuning`, or ``--results-dir``). Files are
+never replaced: a second run stamped the same second writes ``...Z-2.json`` and
+``...Z-2.png``.
 
 Adding an op is a few lines: a setup function that receives the workload's tensors and
 returns a :class:`Setup` (the fastpar call, the torch baseline, bytes per call), and a
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import math
 import os
@@ -368,6 +371,13 @@ def plot(doc: dict, path: Path) -> None:
     """GB/s against the workload's bytes, one panel per op, one line per provider (the
     ``copy_`` ceiling dashed); written as PNG with the Agg backend, atomically (a run
     interrupted while plotting, which takes seconds, leaves no truncated PNG)."""
+    from .autotune import _write_atomic
+
+    _write_atomic(Path(path), render_png(doc))
+
+
+def render_png(doc: dict) -> bytes:
+    """The PNG :func:`plot` writes, as bytes."""
     import io
 
     import matplotlib
@@ -414,9 +424,7 @@ def plot(doc: dict, path: Path) -> None:
         fig.savefig(png, format="png", dpi=110)
     finally:
         plt.close(fig)
-    from .autotune import _write_atomic
-
-    _write_atomic(Path(path), png.getvalue())
+    return png.getvalue()
 
 
 def _expect(cond, where, got, expected):
@@ -498,7 +506,7 @@ def run(sizes: str = "full", *, root=None, note: str | None = None, only=None, p
     table; write JSON + PNG per device. Returns the JSON paths written."""
     import numba
 
-    root = Path(root) if root is not None else _tuning.results_dir()
+    root = Path(root).expanduser() if root is not None else _tuning.results_dir()
     bench_dir = root / "bench"
     paths = []
     for device in devices(device_types):
@@ -526,17 +534,40 @@ def run(sizes: str = "full", *, root=None, note: str | None = None, only=None, p
               f"tuned parameters: {tuning['state']}"
               f"{' (' + tuning['path'] + ')' if tuning.get('path') else ''}", file=out)
         print(table(rows), file=out)
+        # The plot first (seconds): interrupted there, the run leaves nothing.
+        png = render_png(doc)
         bench_dir.mkdir(parents=True, exist_ok=True)
-        from .autotune import _write_atomic
-
-        path = bench_dir / f"{info['slug']}-{stamp}.json"
-        # The plot first (seconds): interrupted there, the run leaves no JSON naming a
-        # PNG that is missing or cut short.
-        plot(doc, bench_dir / doc["png"])
-        _write_atomic(path, json.dumps(doc, indent=1, allow_nan=False) + "\n")
+        path = _publish(bench_dir, f"{info['slug']}-{stamp}", doc, png)
         print(f"wrote {path} and {bench_dir / doc['png']}", file=out)
         paths.append(path)
     return paths
+
+
+def _publish(bench_dir: Path, stem: str, doc: dict, png: bytes) -> Path:
+    """Write ``<stem>.png`` and ``<stem>.json`` (``doc``, naming the PNG) under
+    ``bench_dir``, each created exclusively and atomically; where another run has one of
+    the names (two runs started in the same second), take ``<stem>-2``, ``-3``...: no
+    run's files are replaced, and a run's JSON and PNG share one stem. Returns the JSON
+    path."""
+    from .autotune import _write_atomic
+
+    for n in itertools.count(1):
+        name = stem if n == 1 else f"{stem}-{n}"
+        png_path, path = bench_dir / f"{name}.png", bench_dir / f"{name}.json"
+        doc["png"] = png_path.name
+        text = json.dumps(doc, indent=1, allow_nan=False) + "\n"
+        try:
+            _write_atomic(png_path, png, exclusive=True)
+        except FileExistsError:
+            continue
+        try:
+            _write_atomic(path, text, exclusive=True)
+        except BaseException as e:  # the JSON's name is taken, or the run stops: drop our PNG
+            png_path.unlink(missing_ok=True)
+            if isinstance(e, FileExistsError):
+                continue
+            raise
+        return path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -556,11 +587,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args) -> int:
     sizes = args.sizes or ("quick" if args.quick else "full")
-    from .__main__ import blank_folder_or_exit, comma_list, writable_or_exit
+    from .__main__ import blank_folder_or_exit, comma_list, expand_folder, writable_or_exit
 
     bad = blank_folder_or_exit(args.results_dir)
     if bad:
         return bad
+    args.results_dir = expand_folder(args.results_dir)
     only = None
     if args.workloads is not None:
         try:

@@ -243,6 +243,14 @@ BAD_FILES = {
         _set(d, ["space", "flatten", "numba", "params", "chunk", "min"], 0),
         _set(d, ["entries", _key(0), "winner", "params", "chunk"], 0)), redigest=True),
         "expected an integer >= 1"),
+    # Winners are the launcher's keyword arguments: a name it does not take raised
+    # TypeError from every launch, since the file's own space listed it (found by review).
+    "parameter the launcher does not take": (lambda p: _rewrite(p, lambda d: (
+        _set(d, ["space", "flatten", "numba", "params", "bogus"], {"values": [4], "min": 1}),
+        _set(d, ["entries", _key(0), "winner", "params", "bogus"], 4)), redigest=True),
+        "expected a parameter of the numba flatten launcher (chunk, parallel_min_bytes, stream_min_bytes), got 'bogus'"),
+    # json raises RecursionError, no ValueError, on deep nesting: it escaped every op.
+    "nested too deeply": (lambda p: open(p, "w").write("[" * 100000), "nested too deeply"),
     # A thread-pool threshold below the launchers' default: 10-20x slower than the default
     # under a neighbour's load on a 2-core VM, for a 1.1-1.2x gain when idle.
     "parallel threshold below the default": (lambda p: _rewrite(p, lambda d: (
@@ -354,6 +362,25 @@ def test_invalid_file_is_kept_aside_when_tuning(results, garbage):
     assert open(path + ".rejected", "rb").read() == garbage, "kept aside byte for byte"
     doc = json.loads(open(path).read())
     assert list(doc["entries"]) == [_key(1)]
+
+
+def test_deeply_nested_file_is_kept_aside_when_tuning(results):
+    # RecursionError escaped save(): a whole tuning run lost at its very end.
+    path = _save(results, {_key(0): _entry(0, 4096)})
+    open(path, "w").write("[" * 100000)
+    with pytest.warns(TuningWarning, match="nested too deeply"):
+        _save(results, {_key(1): _entry(1, 16384)})
+    assert list(json.loads(open(path).read())["entries"]) == [_key(1)]
+
+
+def test_save_refuses_a_winner_the_launcher_does_not_take(results):
+    space = {"flatten": {"numba": {"params": dict(SPACE["flatten"]["numba"]["params"],
+                                                  bogus={"values": [4], "min": 1})}}}
+    e = _entry(0, 4096)
+    e["winner"]["params"]["bogus"] = 4
+    with pytest.raises(TuningFileError, match="got 'bogus'"):
+        _save_as(results, {_key(0): e}, space=space)
+    assert not (results / "autotune" / f"{SLUG}.json").exists()
 
 
 def test_other_version_file_is_superseded(results):

@@ -178,5 +178,68 @@ def test_a_run_interrupted_while_plotting_leaves_no_partial_files(good_doc, tmp_
             bench.run("tiny", root=tmp_path, progress=False, out=io.StringIO(), device_types=["cpu"])
     finally:
         _tuning.reload()
-    left = sorted(p.name for p in (tmp_path / "bench").iterdir())
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
     assert left == [], f"an interrupted run left {left}"
+
+
+def _run_with_stamp(tmp_path, monkeypatch, good_doc, note, stamp="20260101T000000Z"):
+    """One ``bench.run`` with canned rows, stamped ``stamp`` (the same second)."""
+    import io
+    import warnings
+
+    monkeypatch.setattr(bench, "run_device", lambda *a, **k: copy.deepcopy(good_doc["rows"]))
+    monkeypatch.setattr(bench, "_stamp", lambda: ("2026-01-01T00:00:00+00:00", stamp))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", _tuning.TuningWarning)  # no tuned file there
+        return bench.run("tiny", root=tmp_path, note=note, progress=False, out=io.StringIO(), device_types=["cpu"])
+
+
+def test_runs_in_the_same_second_never_replace_each_others_files(good_doc, tmp_path, monkeypatch):
+    # Both runs wrote <slug>-<stamp>.json/.png with os.replace: the second run's files
+    # silently replaced the first's.
+    monkeypatch.setenv("FASTPAR_RESULTS_DIR", str(tmp_path))
+    _tuning.reload()
+    try:
+        paths = [_run_with_stamp(tmp_path, monkeypatch, good_doc, note)[0] for note in ("one", "two", "three")]
+    finally:
+        _tuning.reload()
+    stem = f"{_tuning.device_info('cpu')['slug']}-20260101T000000Z"
+    assert [p.name for p in paths] == [f"{stem}.json", f"{stem}-2.json", f"{stem}-3.json"]
+    names = sorted(p.name for p in (tmp_path / "bench").iterdir())
+    assert names == sorted([p.name for p in paths] + [p.with_suffix(".png").name for p in paths]), names
+    for p, note in zip(paths, ("one", "two", "three")):
+        doc = json.loads(p.read_text())
+        bench.validate_bench(doc)
+        # Each run's JSON keeps its own note and names the PNG of the same stem.
+        assert doc["note"] == note and doc["png"] == p.with_suffix(".png").name, doc
+
+
+def test_a_json_name_already_taken_moves_the_whole_run_to_the_next_stem(good_doc, tmp_path, monkeypatch):
+    # A JSON whose PNG was removed (by hand, say): not replaced, and no PNG of ours
+    # is left under its stem.
+    monkeypatch.setenv("FASTPAR_RESULTS_DIR", str(tmp_path))
+    _tuning.reload()
+    stem = f"{_tuning.device_info('cpu')['slug']}-20260101T000000Z"
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / f"{stem}.json").write_text("an earlier run")
+    try:
+        (path,) = _run_with_stamp(tmp_path, monkeypatch, good_doc, "new")
+    finally:
+        _tuning.reload()
+    assert path.name == f"{stem}-2.json"
+    assert (tmp_path / "bench" / f"{stem}.json").read_text() == "an earlier run"
+    assert sorted(p.name for p in (tmp_path / "bench").iterdir()) == [
+        f"{stem}-2.json", f"{stem}-2.png", f"{stem}.json"]
+
+
+def test_exclusive_write_without_hard_links(tmp_path, monkeypatch):
+    # Filesystems without hard links (FAT, some network mounts): O_EXCL claims the name.
+    def no_link(*a, **k):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(autotune.os, "link", no_link)
+    target = tmp_path / "a.json"
+    autotune._write_atomic(target, "first", exclusive=True)
+    with pytest.raises(FileExistsError):
+        autotune._write_atomic(target, "second", exclusive=True)
+    assert target.read_text() == "first" and [p.name for p in tmp_path.iterdir()] == ["a.json"]

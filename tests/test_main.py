@@ -127,3 +127,39 @@ def test_a_blank_results_dir_is_an_error(capsys, tmp_path, monkeypatch, command,
     err = capsys.readouterr().err
     assert f"--results-dir: expected a folder, got {value!r}" in err, err
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("command", ["bench", "autotune"])
+def test_a_tilde_in_results_dir_is_the_home_folder(capsys, tmp_path, monkeypatch, command):
+    # `--results-dir=~/r` reaches us unexpanded (no shell expands it after `=`): bench read
+    # the tuned files of $HOME/r (FASTPAR_RESULTS_DIR is expanded) but wrote ./~/r/bench;
+    # autotune wrote ./~/r/autotune, which no later run read.
+    import fastpar.autotune
+    import fastpar.bench
+
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    seen = {}
+    monkeypatch.setattr(fastpar.bench, "run", lambda *a, root=None, **k: seen.setdefault("root", root) and [])
+    monkeypatch.setattr(fastpar.autotune, "tune", lambda *a, root=None, **k: seen.setdefault("root", root) and {})
+    assert main([command, "--results-dir=~/r", "--no-progress", "--quick"]) == 0
+    assert seen["root"] == str(home / "r")
+    if command == "bench":
+        assert _tuning.results_dir() == home / "r"
+    assert list(cwd.iterdir()) == [], "wrote under a folder named '~'"
+
+
+def test_write_check_passes_when_another_run_is_writing_there(tmp_path, monkeypatch):
+    # Two runs into a fresh results folder: the first one's clean-up found the second's
+    # scratch file in the folder it had made (rmdir: not empty) and reported the folder
+    # as unwritable.
+    from pathlib import Path
+
+    def busy(self):
+        raise OSError(39, "Directory not empty", str(self))
+
+    monkeypatch.setattr(Path, "rmdir", busy)
+    assert writable_or_exit(tmp_path / "new" / "bench") is None
