@@ -126,6 +126,8 @@ class Group(_Numel):
     offsets: np.ndarray
     _blocks: dict = field(default_factory=dict, repr=False)
     _tables: dict = field(default_factory=dict, repr=False)
+    #: CUDA events of a cached plan's table copies that may still be running (by key).
+    _pending: dict = field(default_factory=dict, repr=False)
     #: Made for one call (an uncached plan, staged temporaries): see ``device_table``.
     transient: bool = False
 
@@ -192,12 +194,15 @@ class Group(_Numel):
         """One int64 tensor on ``device`` holding ``addrs | numels | offsets |
         block_start | block_tensor``, copied to the device once per plan and block.
 
-        A cached plan's table is copied synchronously, once: later launches may run on
-        other streams, which must find it written. A transient group's table serves
-        this call's launches alone, on the current stream: it goes through pinned
-        memory asynchronously, as ``ReduceGroup.device_table``'s does, since a blocking
-        copy from pageable memory would make the host wait for everything queued on the
-        stream, every call."""
+        On CUDA the table goes through pinned memory asynchronously, on the current
+        stream (where the launch that asked for it runs), as ``ReduceGroup.device_table``'s
+        does: a blocking copy from pageable memory would make the host wait for
+        everything queued on the stream (a whole backward), once per list the cache has
+        not seen, which is every call for lists made anew each step (``.grad`` after
+        ``zero_grad(set_to_none=True)``). torch's caching host allocator keeps the pinned
+        block until the copy has run. A cached plan's later launches may run on other
+        streams: until the copy's event has completed, each makes its stream wait for it
+        (on the device; the host does not wait)."""
         key = (block, device)
         hit = self._tables.get(key)
         if hit is None:
@@ -205,11 +210,22 @@ class Group(_Numel):
             host = torch.from_numpy(np.concatenate(
                 [self.addrs.reshape(-1), self.numels, self.offsets, start, tensor.astype(np.int64)]
             ))
-            if self.transient and device.type == "cuda":
+            if device.type == "cuda":
                 hit = host.pin_memory().to(device, non_blocking=True)
+                if not self.transient:  # (a transient table serves this call alone)
+                    event = torch.cuda.Event()
+                    event.record(torch.cuda.current_stream(device))
+                    self._pending[key] = event
             else:
                 hit = host.to(device)
             self._tables[key] = hit
+        elif self._pending:
+            event = self._pending.get(key)
+            if event is not None:
+                if event.query():  # copied: no later launch needs to wait
+                    self._pending.pop(key, None)
+                else:
+                    torch.cuda.current_stream(device).wait_event(event)
         return hit
 
     def with_tensors(self, tensors: tuple) -> "Group":

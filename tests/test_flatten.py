@@ -1665,6 +1665,32 @@ def test_cuda_ten_thousand_tensors_one_launch_each_way():
 
 
 @cuda
+def test_cuda_new_list_does_not_make_the_host_wait_and_other_streams_wait_for_its_table():
+    """A list the plan cache has not seen (``.grad`` after ``zero_grad(set_to_none=True)``
+    is one every step) has its pointer table copied without the host waiting for the
+    stream: with 0.5 s of work queued, the stream is still busy when flatten returns (a
+    blocking copy from pageable memory made the host wait for all of it). A launch on
+    another stream before that copy has run waits for it on the device and reads the
+    table written."""
+    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    ts = [rand((k,), torch.float32, device="cuda") for k in (3, 65537, 1030, 7)]
+    want = torch.cat(ts)
+    out, side_out = (poison_(torch.empty(want.numel(), device="cuda")) for _ in range(2))
+    # A list of the same shapes first, so torch's caching host allocator holds a pinned
+    # block of the table's size (a first cudaHostAlloc is no part of what is tested).
+    fastpar.flatten([t.clone() for t in ts], out=torch.empty_like(want))
+    torch.cuda.synchronize()  # (poisoned before: nothing but the sleep and fastpar's work queued below)
+    torch.cuda._sleep(1_000_000_000)  # about 0.5 s of GPU time queued on `main`
+    fastpar.flatten(ts, out=out)
+    assert not main.query(), "flatten of a new list waited for the stream's queued work"
+    with torch.cuda.stream(side):  # the table's copy is still queued behind the sleep on `main`
+        fastpar.flatten(ts, out=side_out)
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+    assert torch.equal(side_out, want), "a launch on another stream read the table before it was copied"
+
+
+@cuda
 def test_cuda_triton_agrees_with_numba_bit_for_bit():
     ts = [rand(s, torch.float32) for s in [(7,), (3, 5), (), (65537,), (257, 129)]]
     on_gpu = fastpar.flatten([t.cuda() for t in ts], dtype=torch.bfloat16, scale=1 / 3)
