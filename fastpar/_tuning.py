@@ -6,7 +6,8 @@ launcher (``chunk``/``parallel_min_bytes`` for Numba, ``block``/``num_warps`` fo
 Triton). The answer comes from ``<results>/autotune/<device-slug>.json``, written by
 ``python -m fastpar autotune`` (:mod:`fastpar.autotune`), where ``<results>`` is
 
-1. ``$FASTPAR_RESULTS_DIR`` when set, else
+1. ``$FASTPAR_RESULTS_DIR`` when set (``~`` expanded; a relative path is taken from
+   the working folder of the process at its first launch), else
 2. the ``results/`` folder of the source checkout the package runs from (an editable
    install), when present, else
 3. a per-user cache folder: ``$XDG_CACHE_HOME/fastpar`` (default ``~/.cache/fastpar``;

@@ -19,7 +19,7 @@ Timing:
 * The Triton interpreter (CPU tensors) and the ``torch`` backend are never tuned.
 
 A candidate replaces the launcher's default only if, in the same run, its median beats
-the default's by more than ``min_gain`` (3 %) and, on CPU, it was faster than the
+the default's by at least ``min_gain`` (3 %) and, on CPU, it was faster than the
 default in clearly more than half of the rounds (a sign test, see :func:`_pick`);
 otherwise the default is kept (and the file says why), so noise does not install a
 config that is not clearly faster.
@@ -676,7 +676,7 @@ def print_summary(result: dict, file=None) -> None:
               file=file)
     for slug, r in result.items():
         print(f"{slug}: {'saved ' + str(r['path']) if r['path'] else 'NOT saved: ' + str(r['error'])}", file=file)
-    print(f"| key | numel | default ms | tuned ms | gain | winner |", file=file)
+    print("| key | numel | default ms | tuned ms | gain | winner |", file=file)
     print("| --- | ---: | ---: | ---: | ---: | --- |", file=file)
     for row in summary_rows(result):
         w = row["winner"] if isinstance(row["winner"], str) else ", ".join(f"{k}={v}" for k, v in row["winner"].items())

@@ -1,5 +1,6 @@
 r"""``python -m fastpar bench [--quick]``: fastpar against torch on the real workloads,
-on every device present, as a table, a JSON file and a plot.
+on the CPU and the first CUDA device (``cuda:0``) when there is one, as a table, a JSON
+file and a plot.
 
 For each case of :data:`CASES` and each workload of :data:`fastpar._workloads.WORKLOADS`
 (the parameters of ``torch.nn.Transformer()``, of ``LSTM(1024, 1024, 4,
@@ -502,8 +503,8 @@ def _stamp() -> tuple[str, str]:
 
 def run(sizes: str = "full", *, root=None, note: str | None = None, only=None, progress: bool = True,
         out=sys.stdout, device_types=None) -> list[Path]:
-    """Benchmark every device present (of ``device_types``, when given); print each
-    table; write JSON + PNG per device. Returns the JSON paths written."""
+    """Benchmark the CPU and ``cuda:0`` when present (of ``device_types``, when given);
+    print each table; write JSON + PNG per device. Returns the JSON paths written."""
     import numba
 
     root = Path(root).expanduser() if root is not None else _tuning.results_dir()
