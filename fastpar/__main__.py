@@ -66,8 +66,14 @@ def writable_or_exit(folder, flag: str = "--results-dir") -> int | None:
     folder = Path(folder)
     created = [p for p in (folder, *folder.parents) if not p.exists()]
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(dir=folder, prefix=".write-test-")
+        for attempt in range(3):
+            folder.mkdir(parents=True, exist_ok=True)
+            try:
+                fd, name = tempfile.mkstemp(dir=folder, prefix=".write-test-")
+                break
+            except FileNotFoundError:  # a concurrent run's clean-up (below) removed it: again
+                if attempt == 2:
+                    raise
         os.close(fd)
         os.unlink(name)
     except OSError as e:

@@ -163,3 +163,25 @@ def test_write_check_passes_when_another_run_is_writing_there(tmp_path, monkeypa
 
     monkeypatch.setattr(Path, "rmdir", busy)
     assert writable_or_exit(tmp_path / "new" / "bench") is None
+
+
+def test_write_check_passes_when_another_run_removes_the_folder_it_made(tmp_path, monkeypatch):
+    # The other side of the same race: a concurrent run that made the folder removes it
+    # (its own write check's clean-up) between our mkdir and our scratch file; mkstemp
+    # then failed with FileNotFoundError and the folder was reported unwritable.
+    import tempfile
+
+    folder = tmp_path / "new" / "bench"
+    real = tempfile.mkstemp
+    calls = []
+
+    def other_run_cleans_up(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            folder.rmdir()
+            folder.parent.rmdir()
+        return real(*a, **k)
+
+    monkeypatch.setattr(tempfile, "mkstemp", other_run_cleans_up)
+    assert writable_or_exit(folder) is None
+    assert not (tmp_path / "new").exists(), "left the folders it made"
