@@ -6,6 +6,8 @@ import re
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from fastpar.kernels.ops_triton import aot
 
@@ -133,12 +135,17 @@ def test_scale_other_configs_compile(cc):
 _NARROW_PTX = re.compile(r"\b(?:mul|mad)\.lo\.[su]32\b|\bsetp\.\w+\.[su]32\b")
 _ADDPTR_32 = re.compile(r"tt\.addptr [^:\n]*: [^,\n]+, (?:tensor<[0-9x]*xi32>|i32)\b")
 _TRUNC_64_32 = re.compile(r"arith\.trunci [^:\n]*: (?:tensor<[0-9x]*xi64>|i64) to (?:tensor<[0-9x]*xi32>|i32)\b")
+# A product of 32-bit values, widened only afterwards (``(pid * BLOCK).to(tl.int64)``):
+# PTX shows it as shl.b32 for a power of two, as it does lane arithmetic. No kernel
+# multiplies in 32 bits (the bf16 rounding adds and shifts, never multiplies).
+_MUL_32 = re.compile(r"arith\.muli [^\n]* : (?:tensor<[0-9x]*xi32>|i32)(?= loc\(|\s*$)", re.M)
 
 
 def _check_64bit(kernel) -> None:
     ttir, ptx = kernel.asm["ttir"], kernel.asm["ptx"]
     assert "tt.addptr" in ttir and not _ADDPTR_32.findall(ttir), f"32-bit pointer offsets: {_ADDPTR_32.findall(ttir)}"
     assert not _TRUNC_64_32.findall(ttir), f"an i64 index truncated to i32: {_TRUNC_64_32.findall(ttir)}"
+    assert not _MUL_32.findall(ttir), f"a 32-bit multiply: {_MUL_32.findall(ttir)}"
     assert not _NARROW_PTX.findall(ptx), f"32-bit index arithmetic: {sorted(set(_NARROW_PTX.findall(ptx)))}"
     assert re.search(r"setp\.lt\.s64", ptx), "the tail mask idx < numel must compare in 64 bits"
 
@@ -206,3 +213,26 @@ def test_no_kernel_flushes_subnormals(cc):
                  aot.compile_reduce(cc, dtype, 3)]
     flushing = sorted({m for p in ptxs for m in re.findall(r"\b\w+(?:\.\w+)*\.ftz\b(?:\.\w+)*", p)})
     assert not flushing, f"flush-to-zero instructions: {flushing}"
+
+
+
+@triton.jit
+def _widened_after_32bit_product(table, n_tensors, flat, BLOCK: tl.constexpr):
+    # pid * BLOCK formed in 32 bits and widened afterwards: it wraps past 2**31 elements
+    # with every offset, compare and pointer add 64-bit. (PTX has no mul.lo.s32 for it:
+    # a product by a power of two is emitted as shl.b32, which lane arithmetic also uses.)
+    start = (tl.program_id(0) * BLOCK).to(tl.int64)
+    idx = start + tl.arange(0, BLOCK)
+    n = tl.load(table)
+    x = tl.load(flat + idx, mask=idx < n)
+    tl.store(flat + n + idx, x, mask=idx < n)
+
+
+@pytest.mark.parametrize("cc", CCS)
+def test_64bit_check_catches_a_32bit_product_widened_after(cc):
+    """The checks above find a 32-bit index formed first and widened afterwards."""
+    signature = {"table": "*i64", "n_tensors": "i32", "flat": "*fp32"}
+    compiled = aot.compile_kernel(_widened_after_32bit_product, signature, {"BLOCK": 1024}, cc,
+                                  aligned_args=("table", "flat"))
+    with pytest.raises(AssertionError, match="32-bit"):
+        _check_64bit(compiled)
