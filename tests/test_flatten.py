@@ -1678,7 +1678,10 @@ def test_cuda_new_list_does_not_make_the_host_wait_and_other_streams_wait_for_it
     out, side_out = (poison_(torch.empty(want.numel(), device="cuda")) for _ in range(2))
     # A list of the same shapes first, so torch's caching host allocator holds a pinned
     # block of the table's size (a first cudaHostAlloc is no part of what is tested).
-    fastpar.flatten([t.clone() for t in ts], out=torch.empty_like(want))
+    # Zeros, not clones: its plan is evicted at the next miss (nothing else holds its
+    # tensors) and the new table likely gets its freed device block; a side launch that
+    # did not wait would read that stale table, which must not point at ts's values.
+    fastpar.flatten([torch.zeros_like(t) for t in ts], out=torch.empty_like(want))
     torch.cuda.synchronize()  # (poisoned before: nothing but the sleep and fastpar's work queued below)
     torch.cuda._sleep(1_000_000_000)  # about 0.5 s of GPU time queued on `main`
     fastpar.flatten(ts, out=out)
