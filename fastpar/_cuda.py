@@ -85,8 +85,9 @@ def refuse_capture(op: str, device: torch.device) -> None:
     fastpar's Triton launches read pointer tables copied from the host, some per call
     through pinned buffers that the host allocator hands out again once the call
     returns: a replayed graph would read whatever those buffers hold then (addresses of
-    other tensors) and write through them. A cached plan's first table copy also blocks,
-    which capture forbids. So ops refuse to be captured, before they write anything."""
+    other tensors) and write through them; a cached plan's launches wait on the event
+    of its table's copy, recorded outside any capture. So ops refuse to be captured,
+    before they write anything."""
     with torch.cuda.device(device):
         capturing = torch.cuda.is_current_stream_capturing()
     if capturing:
