@@ -125,9 +125,10 @@ class Group(_Numel):
     #: Element offset of each tensor in the flat buffer (int64).
     offsets: np.ndarray
     _blocks: dict = field(default_factory=dict, repr=False)
+    #: ``(block, device) -> [table, event]``: the event (CUDA, cached plans) is that of
+    #: the table's copy, None once it has completed. One entry, so that threads missing
+    #: the same key at once never pair one's table with the other's event.
     _tables: dict = field(default_factory=dict, repr=False)
-    #: CUDA events of a cached plan's table copies that may still be running (by key).
-    _pending: dict = field(default_factory=dict, repr=False)
     #: Made for one call (an uncached plan, staged temporaries): see ``device_table``.
     transient: bool = False
 
@@ -210,23 +211,23 @@ class Group(_Numel):
             host = torch.from_numpy(np.concatenate(
                 [self.addrs.reshape(-1), self.numels, self.offsets, start, tensor.astype(np.int64)]
             ))
+            event = None
             if device.type == "cuda":
-                hit = host.pin_memory().to(device, non_blocking=True)
+                table = host.pin_memory().to(device, non_blocking=True)
                 if not self.transient:  # (a transient table serves this call alone)
                     event = torch.cuda.Event()
                     event.record(torch.cuda.current_stream(device))
-                    self._pending[key] = event
             else:
-                hit = host.to(device)
-            self._tables[key] = hit
-        elif self._pending:
-            event = self._pending.get(key)
-            if event is not None:
-                if event.query():  # copied: no later launch needs to wait
-                    self._pending.pop(key, None)
-                else:
-                    torch.cuda.current_stream(device).wait_event(event)
-        return hit
+                table = host.to(device)
+            self._tables[key] = [table, event]
+            return table
+        table, event = hit
+        if event is not None:
+            if event.query():  # copied: no later launch needs to wait
+                hit[1] = None
+            else:
+                torch.cuda.current_stream(device).wait_event(event)
+        return table
 
     def with_tensors(self, tensors: tuple) -> "Group":
         """A copy over other tensors of the same shapes and dtype (fresh tables), e.g.
