@@ -22,26 +22,73 @@ def scatter(inputs, target_gpus, dim=0):
     r"""Slice tensors into approximately equal chunks along ``dim``, one per device;
     tuples, lists, dicts and namedtuples are walked, other objects are referenced once
     per device. A batch smaller than the device count gives fewer chunks.
-    ``target_gpus`` (torch's name) may also hold ``"cpu"`` entries."""
+    ``target_gpus`` (torch's name) may also hold ``"cpu"`` entries.
+
+    Raises:
+        ValueError: a tensor has no dimension ``dim`` (a 0-dim tensor, or a 1-D one with
+            ``dim=1``), naming where it sits in ``inputs`` (``inputs[1]``,
+            ``inputs['lengths']``). torch's raises a bare ``IndexError`` or
+            ``RuntimeError`` that names neither the tensor nor ``dim``.
+    """
+    return _scatter(inputs, target_gpus, dim, "inputs")
+
+
+def _scatter(inputs, target_gpus, dim, name: str):
+    """:func:`scatter`, naming the tensors that cannot be split ``name[...]``."""
     devs = comm._devices(target_gpus, "target_gpus", unique=False)  # repeats allowed, as torch's
 
-    def scatter_map(obj):
+    # ``where``: (parent's where, field name or index/key) chains, spelled out only in
+    # an error, so that a long list of objects builds no strings.
+    def scatter_map(obj, where):
         if isinstance(obj, torch.Tensor):
+            _check_splittable(obj, dim, where)
             return Scatter.apply(devs, None, dim, obj)
         if _is_namedtuple(obj):
-            return [type(obj)(*args) for args in zip(*map(scatter_map, obj))]
+            fields = (scatter_map(o, (where, _Field(f))) for f, o in zip(obj._fields, obj))
+            return [type(obj)(*args) for args in zip(*fields)]
         if isinstance(obj, tuple) and len(obj) > 0:
-            return list(zip(*map(scatter_map, obj)))
+            return list(zip(*(scatter_map(o, (where, i)) for i, o in enumerate(obj))))
         if isinstance(obj, list) and len(obj) > 0:
-            return [list(i) for i in zip(*map(scatter_map, obj))]
+            return [list(i) for i in zip(*(scatter_map(o, (where, i)) for i, o in enumerate(obj)))]
         if isinstance(obj, dict) and len(obj) > 0:
-            return [type(obj)(i) for i in zip(*map(scatter_map, obj.items()))]
+            # (Each item as torch walks it, a (key, value) tuple: the key is copied.)
+            return [type(obj)(i) for i in zip(*(zip(scatter_map(k, where), scatter_map(v, (where, k)))
+                                                 for k, v in obj.items()))]
         return [obj for _ in devs]
 
     try:
-        return scatter_map(inputs)
+        return scatter_map(inputs, name)
     finally:
         scatter_map = None  # break the closure's reference cycle
+
+
+class _Field:
+    """A namedtuple's field name in :func:`_scatter`'s ``where`` (``.x``, not ``['x']``)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _spelled(where) -> str:
+    """``where`` of :func:`_scatter`'s walk as Python spells it: ``kwargs['x'][0].y``."""
+    parts = []
+    while isinstance(where, tuple):
+        where, key = where
+        parts.append(f".{key.name}" if isinstance(key, _Field) else f"[{key!r}]")
+    return where + "".join(reversed(parts))
+
+
+def _check_splittable(t: torch.Tensor, dim, where) -> None:
+    """Raise unless ``t`` has a dimension ``dim`` to be split along. (A ``dim`` that is
+    not an int is left to :func:`fastpar.comm.scatter`, which names it.)"""
+    if isinstance(dim, bool) or not isinstance(dim, int) or -t.dim() <= dim < t.dim():
+        return
+    raise ValueError(
+        f"cannot scatter {_spelled(where)}: it is a {t.dim()}-dim tensor (shape {tuple(t.shape)}) with no "
+        f"dimension {dim} to split along (every tensor in the inputs is split along dim {dim})"
+    )
 
 
 def scatter_kwargs(inputs, kwargs, target_gpus, dim=0):
@@ -58,8 +105,8 @@ def scatter_kwargs(inputs, kwargs, target_gpus, dim=0):
             ``parallel_apply`` then fails an assertion; padding the shorter instead would
             run some replicas without their keyword arguments.
     """
-    scattered_inputs = scatter(inputs, target_gpus, dim) if inputs else []
-    scattered_kwargs = scatter(kwargs, target_gpus, dim) if kwargs else []
+    scattered_inputs = _scatter(inputs, target_gpus, dim, "inputs") if inputs else []
+    scattered_kwargs = _scatter(kwargs, target_gpus, dim, "kwargs") if kwargs else []
     if scattered_inputs and scattered_kwargs and len(scattered_inputs) != len(scattered_kwargs):
         # Objects other than tensors are copied once per device: chunks beyond the
         # tensors' count that hold no tensor (a small last batch with a float keyword)

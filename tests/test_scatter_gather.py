@@ -36,6 +36,25 @@ def test_scatter_kwargs_rejects_different_chunk_counts():
         scatter_kwargs((torch.randn(4, 3),), {"y": torch.randn(1, 3)}, CPU2)
 
 
+def test_scatter_names_a_tensor_without_the_dim_to_split():
+    """torch's raises a bare RuntimeError ("chunk expects at least a 1-dimensional
+    tensor") or IndexError for a 0-dim keyword (a temperature) or a 1-D one with dim=1
+    (lengths beside seq-first inputs), naming neither the argument nor dim; comm.scatter's
+    message blamed dim ("dim must be an int in [-1, 1), got 1")."""
+    x = torch.randn(5, 4, 3)
+    with pytest.raises(ValueError, match=r"cannot scatter kwargs\['lengths'\]: it is a 1-dim tensor "
+                                         r"\(shape \(4,\)\) with no dimension 1 to split along"):
+        scatter_kwargs((x,), {"lengths": torch.tensor([5, 5, 4, 3])}, CPU2, dim=1)
+    with pytest.raises(ValueError, match=r"cannot scatter inputs\[1\]\[0\]\.y: it is a 0-dim tensor"):
+        scatter_kwargs((x, [Pair(x, torch.tensor(0.5))]), {}, CPU2)
+    with pytest.raises(ValueError, match=r"cannot scatter inputs: it is a 0-dim tensor \(shape \(\)\) with no "
+                                         r"dimension -1"):
+        scatter(torch.tensor(1.0), CPU2, dim=-1)
+    # (A key is copied, as torch's scatter walks the (key, value) items.)
+    parts = scatter({"a": x, 3: [x]}, CPU2, dim=-1)
+    assert [list(p) for p in parts] == [["a", 3], ["a", 3]] and torch.equal(parts[1][3][0], x[..., 2:])
+
+
 def test_gather_rejects_sequences_of_different_lengths():
     # torch zips strictly; a plain zip returned [None] here.
     with pytest.raises(ValueError, match=r"the replicas returned lists of different lengths \[2, 1\]"):
