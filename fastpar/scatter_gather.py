@@ -166,6 +166,13 @@ def gather(outputs, target_device, dim=0):
                     f"({list(outs)!r}); only tensors are gathered, and other outputs must be equal"
                 )
             return out
+        if isinstance(out, Mapping):
+            # A mapping that is not a dict (UserDict, mappingproxy): torch rebuilds it
+            # from its keys, and the sequence check below would blame replica 0 itself.
+            raise TypeError(
+                f"cannot gather {type(out).__name__} outputs: only dicts (and dict subclasses) are gathered "
+                "key by key, as in torch; return a dict"
+            )
         if not hasattr(out, "__len__") or not hasattr(out, "__iter__"):
             raise TypeError(
                 f"cannot gather {type(out).__name__} outputs: replicas must return tensors, None, or dicts, "

@@ -229,6 +229,20 @@ def test_gather_names_what_cannot_be_gathered(outs, exc, match):
         gather([tensors(o) for o in outs], "cpu")
 
 
+def test_gather_names_a_mapping_that_is_not_a_dict():
+    """replica 0 returning a UserDict or mappingproxy was blamed on itself ("replica 0
+    returned a UserDict where replica 0 returned UserDict"); torch rebuilds it from its
+    keys and fails on the strings."""
+    import types
+    from collections import UserDict
+
+    a, b = torch.randn(2), torch.randn(3)
+    for make in (UserDict, types.MappingProxyType):
+        with pytest.raises(TypeError, match=rf"cannot gather {make({}).__class__.__name__} outputs: only dicts "
+                                            r"\(and dict subclasses\) are gathered key by key"):
+            gather([make({"x": a}), make({"x": b})], "cpu")
+
+
 def test_gather_accepts_mixed_sequences_and_mappings_at_one_position_as_torch_does():
     import types
     from collections import UserList
