@@ -141,6 +141,7 @@ def gather(outputs, target_device, dim=0):
         out = outs[0]
         if isinstance(out, torch.Tensor):
             _same_kind(outs, lambda o: isinstance(o, torch.Tensor), "a tensor")
+            _check_gatherable(outs, dim)
             return Gather.apply(dst, dim, *outs)
         if out is None:
             return None
@@ -198,6 +199,23 @@ def gather(outputs, target_device, dim=0):
         return gather_map(outputs)
     finally:
         gather_map = None
+
+
+def _check_gatherable(outs, dim) -> None:
+    """Raise unless every replica's tensor has a dimension ``dim`` (``dim`` other than 0:
+    along 0, 0-dim outputs are made a vector, and comm.gather names a 0-dim one beside
+    others). A scalar loss or a per-sample vector under ``dim=1`` otherwise met
+    comm.gather's "dim must be an int in [-1, 1), got 1" after a warning that it would
+    gather "along dimension 0" (torch's fails with a bare ``IndexError``)."""
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim == 0:
+        return  # (a dim that is not an int is named by comm.gather)
+    for i, o in enumerate(outs):
+        if not -o.dim() <= dim < o.dim():
+            raise ValueError(
+                f"replica {i} returned a {o.dim()}-dim tensor (shape {tuple(o.shape)}) with no dimension {dim} "
+                f"to gather along (outputs are gathered along dim {dim}; only along dim 0 are 0-dim "
+                "outputs made a vector)"
+            )
 
 
 def _same_kind(outs, ok, what: str) -> None:

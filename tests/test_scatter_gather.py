@@ -243,6 +243,23 @@ def test_gather_names_a_mapping_that_is_not_a_dict():
             gather([make({"x": a}), make({"x": b})], "cpu")
 
 
+@pytest.mark.parametrize("dim", [1, -1])
+def test_gather_names_an_output_without_the_dim_to_gather_along(dim, recwarn):
+    """A scalar loss, or a per-sample vector, from replicas of a dim=1 DataParallel:
+    comm.gather warned it would gather "along dimension 0", then raised "dim must be an
+    int in [-1, 1), got 1" or Gather an IndexError (torch's: a bare IndexError)."""
+    with pytest.raises(ValueError, match=r"replica 0 returned a 0-dim tensor \(shape \(\)\) with no dimension "
+                                         rf"{dim} to gather along"):
+        gather([torch.tensor(1.0), torch.tensor(2.0)], "cpu", dim)
+    if dim == 1:
+        with pytest.raises(ValueError, match=r"replica 1 returned a 1-dim tensor \(shape \(3,\)\) with no "
+                                             r"dimension 1"):
+            gather([torch.randn(2, 3), torch.randn(3)], "cpu", dim)
+    assert not [w for w in recwarn if "scalars" in str(w.message)]
+    out = gather([torch.randn(2, 3), torch.randn(2, 1)], "cpu", dim)
+    assert out.shape == (2, 4)
+
+
 def test_gather_accepts_mixed_sequences_and_mappings_at_one_position_as_torch_does():
     import types
     from collections import UserList
