@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
+from collections.abc import Mapping
 
 import torch
 from torch._utils import ExceptionWrapper
@@ -40,8 +41,19 @@ def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
         raise ValueError(f"modules and inputs must have the same length, got {len(modules)} and {len(inputs)}")
     if kwargs_tup is None:
         kwargs_tup = ({},) * len(modules)
+    elif isinstance(kwargs_tup, Mapping):
+        # One module's keyword arguments passed for all: its keys would be taken as the
+        # per-module entries (torch's fails with a bare KeyError: 0, or in the replicas).
+        raise TypeError(
+            f"kwargs_tup must be a sequence of dicts, one per module, got a {type(kwargs_tup).__name__} "
+            f"(keys {list(kwargs_tup)[:4]!r}); pass ({{...}},) * {len(modules)} for the same keywords everywhere"
+        )
     elif len(kwargs_tup) != len(modules):
         raise ValueError(f"kwargs_tup must have one entry per module ({len(modules)}), got {len(kwargs_tup)}")
+    else:
+        for i, k in enumerate(kwargs_tup):
+            if not hasattr(k, "keys"):  # (what ``**k`` takes: anything with keys(), as in torch)
+                raise TypeError(f"kwargs_tup[{i}] must be a dict of keyword arguments, got {type(k).__name__}")
     devices = [None] * len(modules) if devices is None else list(devices)
     if len(devices) != len(modules):
         raise ValueError(f"devices must have one entry per module ({len(modules)}), got {len(devices)}")

@@ -48,6 +48,31 @@ def test_length_mismatches_name_the_argument():
         parallel_apply(mods, [(x,), (x,)], None, ["cpu"] * 3)
 
 
+def test_kwargs_tup_that_is_not_one_dict_per_module_is_named():
+    """One module's keywords passed as kwargs_tup (a dict) raised a bare KeyError: 0 with
+    one module (as torch's does) and a TypeError from each replica with more; a None
+    entry failed in the replica."""
+    calls = []
+
+    class Rec(nn.Module):
+        def forward(self, x):
+            calls.append(x)
+            return x
+
+    x = torch.randn(2)
+    with pytest.raises(TypeError, match=r"kwargs_tup must be a sequence of dicts, one per module, got a dict "
+                                        r"\(keys \['x'\]\)"):
+        parallel_apply([Rec()], [()], {"x": x}, ["cpu"])
+    with pytest.raises(TypeError, match=r"kwargs_tup must be a sequence of dicts, one per module, got a dict"):
+        parallel_apply([Rec(), Rec()], [(), ()], {"x": x, "y": 1}, ["cpu", "cpu"])
+    with pytest.raises(TypeError, match=r"kwargs_tup\[1\] must be a dict of keyword arguments, got NoneType"):
+        parallel_apply([Rec(), Rec()], [(), ()], ({"x": x}, None), ["cpu", "cpu"])
+    assert calls == [], "no replica may run"
+    import types
+    outs = parallel_apply([Rec(), Rec()], [(), ()], [{"x": x}, types.MappingProxyType({"x": x})], ["cpu", "cpu"])
+    assert all(o is x for o in outs)
+
+
 def test_top_level_names_are_torch_nn_parallel_s():
     import fastpar
     from fastpar import scatter_gather
