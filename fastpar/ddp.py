@@ -680,6 +680,16 @@ def _sharing_memory(tensors: list) -> set:
     return shared
 
 
+def _expanded_index(t: torch.Tensor):
+    """The index that cuts each dimension of ``t`` of stride 0 (and size > 1) to its
+    first element, or None if ``t`` has none: an expanded tensor (a buffer registered as
+    ``x.expand(...)``) holds each value at several positions, and that view of it holds
+    all its memory once."""
+    if all(st or n <= 1 for n, st in zip(t.shape, t.stride())):
+        return None
+    return tuple(slice(0, 1) if st == 0 and n > 1 else slice(None) for n, st in zip(t.shape, t.stride()))
+
+
 def sync_params(module, src: int = 0, process_group=None) -> None:
     r"""Copy every parameter and buffer of ``module`` from rank ``src`` to all ranks of
     ``process_group``, in one coalesced broadcast.
@@ -691,8 +701,9 @@ def sync_params(module, src: int = 0, process_group=None) -> None:
     ``num_batches_tracked``, bfloat16, bool, complex) shares that one buffer and arrives
     bit for bit; a non-contiguous tensor, or one sharing memory with another (a buffer
     registered as a view of another), travels in the same buffer through a contiguous
-    copy written back after the broadcast, and a module spread over several devices
-    takes one broadcast per device.
+    copy written back after the broadcast (an expanded tensor, with a dimension of
+    stride 0, through its distinct elements: it stays a view); and a module spread
+    over several devices takes one broadcast per device.
 
     Before the broadcast one small ``all_reduce`` compares a checksum of the tensors'
     shapes and dtypes across ranks, so modules that differ raise ``ValueError`` on every
@@ -771,4 +782,11 @@ def sync_params(module, src: int = 0, process_group=None) -> None:
             _unpack(flat, ws)
     if me != src:
         for t, tmp in staged:
+            # copy_ refuses a destination whose elements share memory: an expanded
+            # tensor is written through the view that holds each value once (it travels
+            # whole, as a non-contiguous tensor, so the wire does not depend on which
+            # ranks hold it expanded).
+            cut = _expanded_index(t)
+            if cut is not None:
+                t, tmp = t[cut], tmp[cut]
             t.copy_(tmp)

@@ -327,6 +327,21 @@ def _sync_worker(rank):
     except ValueError as e:
         out["bad_src"] = str(e)
     out["bad_src_unchanged"] = _unchanged(m, before)
+    # Expanded buffers (stride 0, as ``x.expand(...)`` registers them): receiving ranks
+    # raised in copy_ after the broadcast, while src returned normally.
+    torch.manual_seed(rank)
+    m = nn.Module()
+    m.register_buffer("tiled", torch.randn(3).expand(2, 3))
+    m.register_buffer("cols", torch.randn(4, 1).expand(4, 5))
+    # Expanded on src only, non-contiguous on the receiver: the same checksum, so the
+    # same bytes must travel whatever the layouts.
+    m.register_buffer("rows", torch.randn(3).expand(2, 3) if rank == 1 else torch.randn(3, 2).t())
+    before = _state(m)
+    try:
+        fddp.sync_params(m, src=1)
+        out["expanded"] = {"before": before, "after": _state(m), "strides": [b.stride() for b in m.buffers()]}
+    except RuntimeError as e:
+        out["expanded"] = str(e)
     # src is a global rank: rank 1 is src of a group of its own, in which its rank is 0.
     sub = dist.new_group([1])  # collective: both ranks
     torch.manual_seed(rank)
@@ -484,6 +499,16 @@ def test_sync_params_rejects_mismatched_modules_on_every_rank(synced):
         assert synced[rank]["bad_src"] is not None and "src must be a global rank" in synced[rank]["bad_src"]
         assert synced[rank]["mismatch_unchanged"] and synced[rank]["bad_src_unchanged"], \
             f"rank {rank}: a rejected sync_params changed the module"
+
+
+def test_sync_params_expanded_buffers(synced):
+    for rank in range(WORLD):
+        res = synced[rank]["expanded"]
+        assert isinstance(res, dict), f"rank {rank}: {res}"
+        assert res["strides"][:2] == [(0, 1), (1, 0)], "the buffers must stay views of their memory"
+        for k, v in synced[1]["expanded"]["before"].items():
+            assert torch.equal(res["after"][k], v), f"rank {rank}: {k} not synced"
+    assert not torch.equal(synced[0]["expanded"]["before"]["tiled"], synced[1]["expanded"]["before"]["tiled"])
 
 
 def test_sync_params_src_is_a_global_rank_in_a_subgroup(synced):
