@@ -29,6 +29,7 @@ Example::
 # hooks' annotations with ``dist.GradBucket`` and ``Future[Tensor]`` objects, and
 # postponed (string) annotations would fail that check.
 import contextvars
+import warnings
 import weakref
 import zlib
 
@@ -709,7 +710,9 @@ def sync_params(module, src: int = 0, process_group=None) -> None:
     shapes and dtypes across ranks, so modules that differ raise ``ValueError`` on every
     rank instead of hanging or scrambling the values.
 
-    Must be called by every rank of the group. Writes bypass autograd, like
+    Must be called by every rank of the group; on a rank outside it (``new_group`` gave
+    it ``GroupMember.NON_GROUP_MEMBER``) it warns and returns, as torch's collectives
+    do. Writes bypass autograd, like
     ``torch.no_grad()``, and bump the tensors' version counters.
 
     Args:
@@ -729,6 +732,16 @@ def sync_params(module, src: int = 0, process_group=None) -> None:
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     if isinstance(src, bool) or not isinstance(src, int):
         raise TypeError(f"src must be an int (a global rank), got {type(src).__name__} {src!r}")
+    if type(process_group) is int and process_group == dist.GroupMember.NON_GROUP_MEMBER:
+        # What new_group() hands the ranks it leaves out (an int, which _group_of would
+        # refuse as "got int"): torch's collectives warn and do nothing there, and so
+        # does this, so that every rank may run the same code for a subgroup.
+        warnings.warn(
+            f"sync_params: global rank {dist.get_rank()} does not belong to process_group "
+            "(new_group() left it out); nothing is synced on this rank",
+            stacklevel=2,
+        )
+        return
     group = _group_of(process_group, "process_group")
     ranks = dist.get_process_group_ranks(group)
     if src not in ranks:

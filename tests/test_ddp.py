@@ -18,6 +18,7 @@ import os
 import pickle
 import tempfile
 import time
+import warnings
 import weakref
 
 import pytest
@@ -349,6 +350,16 @@ def _sync_worker(rank):
     before = _state(m)
     if rank == 1:
         fddp.sync_params(m, src=1, process_group=sub)
+    else:
+        # Outside the group (new_group gave it NON_GROUP_MEMBER, an int): a no-op with a
+        # warning, as torch's collectives do there (it raised TypeError "got int").
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                fddp.sync_params(m, src=1, process_group=sub)
+            out["nonmember"] = [str(w.message) for w in caught]
+        except Exception as e:  # recorded, so that the pair's other results survive
+            out["nonmember"] = f"{type(e).__name__}: {e}"
     out["subgroup_src_unchanged"] = _unchanged(m, before)
     return out
 
@@ -515,6 +526,12 @@ def test_sync_params_src_is_a_global_rank_in_a_subgroup(synced):
     # Rank 1 is src of the group [1], where its group rank is 0: nothing to receive, its
     # module unchanged (read as a group rank, src 1 made it receive uninitialised bytes).
     assert synced[1]["subgroup_src_unchanged"] and synced[0]["subgroup_src_unchanged"]
+
+
+def test_sync_params_on_a_rank_outside_the_group_does_nothing(synced):
+    got = synced[0]["nonmember"]
+    assert isinstance(got, list) and any("does not belong to process_group" in w for w in got), got
+    assert synced[0]["subgroup_src_unchanged"]
 
 
 def _failing_worker(rank):
