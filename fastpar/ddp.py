@@ -726,7 +726,8 @@ def sync_params(module, src: int = 0, process_group=None) -> None:
             ``process_group`` is neither None nor a ``ProcessGroup``.
         ValueError: ``src`` is not a rank of the group, or ranks hold different modules.
         RuntimeError: ``process_group`` is None and ``torch.distributed`` is not
-            initialized.
+            initialized, or the group has no backend for a device the module's tensors
+            are on (CPU buffers on an NCCL group), before any collective.
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -771,6 +772,19 @@ def sync_params(module, src: int = 0, process_group=None) -> None:
         wires.setdefault(t.device, []).append(w)
         signature.append(f"{t.dtype}{tuple(t.shape)}{t.device.type}{int(t.is_contiguous())}")
 
+    # A device the group has no backend for (CPU buffers of a CUDA model on an NCCL
+    # group) failed in its own broadcast, after the other devices' broadcasts had
+    # written part of every receiving module: refused here, on every rank alike,
+    # before any collective.
+    for dev in wires:
+        try:
+            _backend_for(group, dev)
+        except RuntimeError:
+            raise RuntimeError(
+                f"sync_params: the process group has no backend for {dev.type} tensors (its "
+                f"backends: {dist.get_backend_config(group)}), and the module has parameters or "
+                f"buffers on {dev}; move the module to one device type the group serves"
+            ) from None
     device = tensors[0].device if tensors else torch.device("cpu")
     crc = zlib.crc32(";".join(signature).encode())
     check = torch.tensor([crc, len(tensors), -crc, -len(tensors)], dtype=torch.int64, device=device)

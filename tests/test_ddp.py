@@ -756,6 +756,23 @@ def test_sync_params_argument_errors(one_rank):
     assert _unchanged(m, before)
 
 
+def test_sync_params_refuses_a_device_the_group_has_no_backend_for(one_rank, monkeypatch):
+    # CPU tensors on an NCCL group (simulated; "cuda:nccl" is what init_process_group("nccl")
+    # configures): torch raised in that device's broadcast, after the other devices'
+    # broadcasts had written part of the module. Now refused before any collective.
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cuda:nccl")
+    calls = []
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: calls.append("all_reduce"))
+    monkeypatch.setattr(dist, "broadcast", lambda *a, **k: calls.append("broadcast"))
+    m = SyncNet()
+    before = _state(m)
+    with pytest.raises(RuntimeError, match=r"sync_params: the process group has no backend for cpu tensors "
+                                           r"\(its backends: cuda:nccl\), and the module has parameters "
+                                           r"or buffers on cpu"):
+        fddp.sync_params(m)
+    assert calls == [] and _unchanged(m, before)
+
+
 class _FakeGroup:
     """Stands in for a process group of any size in the scaling tests below."""
 
