@@ -84,7 +84,8 @@ cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, dtype=None, what: str = "", tol=None):
-    """Compare ``actual`` with a (float64) reference within ``TOL[dtype]``; on failure,
+    """Compare ``actual`` with a (float64) reference within ``TOL[dtype]`` (infinities
+    exactly, NaN where the reference has NaN); on failure,
     report how many elements differ, the worst one's index and both values, and any
     NaN (poison) left in ``actual``."""
     dtype = dtype or actual.dtype
@@ -96,6 +97,10 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, dtype=None, wh
         return
     nan_a, nan_e = torch.isnan(a), torch.isnan(e)
     bad = (a - e).abs() > atol + rtol * e.abs()
+    # An infinity on either side must be matched exactly: |x - inf| > atol + rtol * inf
+    # is inf > inf (or > NaN with rtol 0): false, and would let any value stand for one.
+    inf_a, inf_e = torch.isinf(a), torch.isinf(e)
+    bad |= (inf_a | inf_e) & (a != e)
     bad |= nan_a != nan_e
     bad &= ~(nan_a & nan_e)
     if bad.any():
