@@ -27,6 +27,12 @@ def test_reduce_add_coalesced(benchmark, grads, k, provider):
     fn = (lambda: comm.reduce_add_coalesced(lists, "cpu")) if provider == "fastpar" else (
         lambda: torch_reduce_add_coalesced(lists))
     measure(benchmark, fn, (k + 1) * nbytes(g), rounds=6 if name == "transformer" else 20)
+    got = fn()  # the timed call (either provider) sums every replica, in the inputs' order
+    assert len(got) == len(g)
+    for i, r in enumerate(got):
+        exp = sum(lst[i].double() for lst in lists)
+        assert r.shape == g[i].shape and torch.allclose(r.double(), exp, rtol=1e-5, atol=1e-5), \
+            f"{provider}: position {i} is not the sum of the {k} replicas"
 
 
 @pytest.mark.parametrize("k", [2, 4, 8])

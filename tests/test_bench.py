@@ -243,3 +243,56 @@ def test_exclusive_write_without_hard_links(tmp_path, monkeypatch):
     with pytest.raises(FileExistsError):
         autotune._write_atomic(target, "second", exclusive=True)
     assert target.read_text() == "first" and [p.name for p in tmp_path.iterdir()] == ["a.json"]
+
+
+# The torch baselines (``fastpar._baselines``) are what every benchmark ratio divides by
+# and what the tables call "torch.nn.parallel.comm's algorithm": they must compute what
+# torch's comm computes, or a faster, wrong baseline skews every ratio unnoticed.
+_BASELINE_SHAPES = [((5, 3), torch.float32), ((7,), torch.float64), ((), torch.float32), ((0,), torch.float32),
+                    ((9,), torch.float16), ((40,), torch.float32), ((4,), torch.int64), ((3, 3), torch.float64)]
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+@pytest.mark.parametrize("buffer_size", [64, 10485760], ids=["many-buckets", "one-bucket"])
+def test_baseline_reduce_add_coalesced_sums_every_replica(k, buffer_size):
+    from fastpar._baselines import reduce_add_coalesced
+
+    gen = torch.Generator().manual_seed(k)
+    lists = [[(torch.randn(s, generator=gen, dtype=torch.float64) * 8).to(d) for s, d in _BASELINE_SHAPES]
+             for _ in range(k)]
+    got = reduce_add_coalesced(lists, buffer_size)
+    assert len(got) == len(_BASELINE_SHAPES)
+    for i, (r, (shape, dtype)) in enumerate(zip(got, _BASELINE_SHAPES)):
+        # torch's root + pairwise adds, in the tensor's dtype: (x0 + x1) + x2 + ...
+        exp = lists[0][i] + lists[1][i]
+        for lst in lists[2:]:
+            exp = exp + lst[i]
+        assert r.dtype == dtype and r.shape == shape, f"position {i}: {r.dtype} {tuple(r.shape)}"
+        assert torch.equal(r, exp), f"K={k}, position {i}: baseline sum differs from torch's adds"
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_baseline_broadcast_coalesced_copies_every_tensor(k):
+    from fastpar._baselines import broadcast_coalesced
+
+    src = [torch.randn(s).to(d) for s, d in _BASELINE_SHAPES]
+    got = broadcast_coalesced(src, k, buffer_size=64)
+    assert len(got) == k and all(a is b for a, b in zip(got[0], src))
+    for j, copies in enumerate(got[1:], 1):
+        assert len(copies) == len(src)
+        for i, (c, s) in enumerate(zip(copies, src)):
+            assert c.dtype == s.dtype and c.shape == s.shape and torch.equal(c, s), f"device {j}, tensor {i}"
+            assert c.numel() == 0 or c.data_ptr() != s.data_ptr(), f"device {j}, tensor {i} is not a copy"
+
+
+def test_baseline_replicate_gives_replicas_that_compute_as_the_module():
+    from fastpar._baselines import torch_replicate_algorithm
+
+    net = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.ReLU(), torch.nn.Linear(4, 3))
+    x = torch.randn(6, 5)
+    with torch_replicate_algorithm() as rep:
+        replicas = rep(net, 3)
+    assert len(replicas) == 3
+    for j, m in enumerate(replicas):
+        assert torch.equal(m(x), net(x)), f"replica {j}"
+        assert m[0].weight.requires_grad, f"replica {j}: weight detached from autograd"
