@@ -85,6 +85,35 @@ def test_reduce_add_keeps_negative_zero(backend, dtype):
     assert torch.equal(torch.signbit(got), torch.signbit(exp)) and torch.equal(got, exp), (got, exp)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=str)
+def test_reduce_add_keeps_subnormals(backend, dtype, request):
+    """Sums of subnormals are subnormal, exactly (multiples of the smallest one), as
+    torch's adds give: a kernel that flushes them to zero (flush-to-zero, fastmath)
+    passed every other reduce test (float32's atol 1e-6 and float64's 1e-12 are far above
+    them, and the property tests draw none)."""
+    if backend == "triton" and dtype == torch.bfloat16:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="the Triton interpreter's bfloat16 -> float32 "
+                                              "conversion loses subnormals (as test_rnn records); a GPU's is exact"))
+    from conftest import assert_same_bits
+
+    tiny = torch.finfo(dtype).tiny
+    mantissa = {torch.float32: 23, torch.float64: 52, torch.float16: 10, torch.bfloat16: 7}[dtype]
+    smallest = torch.tensor(tiny * 2.0**-mantissa, dtype=torch.float64)
+    assert smallest.to(dtype) > 0 and smallest.to(dtype) / 2 == 0
+    n = torch.tensor([[1, 3, -5, 0, 100, -1, 7, 2], [2, -3, -6, 1, 27, 0, -7, 9], [4, 0, -1, -1, 0, -1, 0, 1]],
+                     dtype=torch.float64)
+    a, b, c = ((row * smallest).to(dtype) for row in n)
+    assert ((a != 0) & (a.abs() < tiny)).any(), "the inputs must hold subnormals"
+    exp = a + b + c  # exact: subnormal adds do not round
+    assert ((exp != 0) & (exp.abs() < tiny)).sum() >= 5
+    (got,) = comm.reduce_add_coalesced([[a], [b], [c]], "cpu")
+    assert_same_bits(got, exp, f"{dtype} subnormal sums")
+    out = poisoned(8, dtype=dtype)
+    comm.reduce_add_coalesced([[a], [b], [c]], "cpu", out=[out])
+    assert_same_bits(out, exp, f"{dtype} subnormal sums into out")
+    assert_same_bits(comm.reduce_add([a, b], "cpu"), a + b, f"{dtype} subnormal reduce_add")
+
+
 @pytest.mark.parametrize("layout", ["channels_last", "transposed"])
 def test_reduce_add_keeps_a_shared_layout(backend, layout):
     """As torch's ``+``: inputs laid out alike give a result laid out so."""
