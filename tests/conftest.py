@@ -268,6 +268,25 @@ def backend(request):
         yield request.param
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_tuned_files(tmp_path_factory):
+    """Every test runs the kernels with their default parameters: ``FASTPAR_RESULTS_DIR``
+    points at an empty folder for the session. Otherwise a tuned file for the machine
+    (this checkout's ``results/autotune/``, or the caller's ``FASTPAR_RESULTS_DIR``)
+    picks chunk sizes and parallel thresholds, and which code paths a test exercises
+    depends on the machine it runs on (a legal winner, parallel_min_bytes = 2**62, turns
+    the Numba parallel path off). Tests of tuning set their own folder
+    (test_autotune's ``results`` fixture)."""
+    from fastpar import _tuning
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("FASTPAR_RESULTS_DIR", str(tmp_path_factory.mktemp("no-tuned-files")))
+    _tuning.reload()
+    yield
+    mp.undo()
+    _tuning.reload()
+
+
 @pytest.fixture(autouse=True)
 def _fresh_plans():
     import fastpar

@@ -12,7 +12,8 @@ from fastpar.__main__ import main, writable_or_exit
 @pytest.fixture(autouse=True)
 def _restore_results_dir():
     """``bench --results-dir`` sets ``FASTPAR_RESULTS_DIR`` for the process and re-reads
-    the tuned files: undo both, so later tests see the real results folder again."""
+    the tuned files: undo both, so later tests see the session's results folder again
+    (conftest's empty one)."""
     before = os.environ.get("FASTPAR_RESULTS_DIR")
     yield
     if before is None:
