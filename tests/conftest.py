@@ -268,6 +268,21 @@ def backend(request):
         yield request.param
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    """Keep each phase's report on the item (``item.rep_call``), so that a fixture's
+    teardown checks can tell a test that skipped or failed from one that ran through."""
+    rep = yield
+    setattr(item, f"rep_{rep.when}", rep)
+    return rep
+
+
+def body_passed(request) -> bool:
+    """True when the requesting test's body ran and passed (for fixture teardown checks)."""
+    rep = getattr(request.node, "rep_call", None)
+    return rep is not None and rep.passed
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _no_tuned_files(tmp_path_factory):
     """Every test runs the kernels with their default parameters: ``FASTPAR_RESULTS_DIR``

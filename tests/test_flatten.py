@@ -7,7 +7,8 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import ALL_DTYPES, FLOAT_DTYPES, TOL, assert_close, assert_unchanged, cuda, poison_, rand, snapshot
+from conftest import (ALL_DTYPES, FLOAT_DTYPES, TOL, assert_close, assert_unchanged, cuda, poison_, rand, snapshot,
+                      body_passed)
 
 import fastpar
 
@@ -814,6 +815,8 @@ def plan_check(request, monkeypatch):
         monkeypatch.setattr(_fastcheck, "PARALLEL_CHECK_MIN_TENSORS", 1)
     ran = _spy_on_plan_checks(monkeypatch)
     yield ran
+    if not body_passed(request):
+        return  # a skip (the allocator kept the block) or a failure already reported: no error on top
     assert ran, "no compiled re-check ran"
     assert set(ran) == {request.param}, f"expected only the {request.param} check, ran {sorted(set(ran))}"
 
