@@ -222,14 +222,14 @@ def test_unflatten_into_cast_scale_mixed_targets(backend, flat_dtype):
     targets = [poison_(torch.empty(s, dtype=d)) for s, d in
                [((7,), torch.float32), ((3, 3), torch.float16), ((11,), torch.bfloat16), ((5,), torch.float64)]]
     flat = rand((sum(t.numel() for t in targets),), flat_dtype)
-    fastpar.unflatten_into(flat, targets, scale=0.5)
+    # 0.37 is not a float32 value: a scale rounded to float32 where float64 is involved
+    # (the interpreter's old bug, see test_flatten_cast_scale) is off by 1e-8 relative,
+    # which 0.5 hid and float64's tolerance shows.
+    fastpar.unflatten_into(flat, targets, scale=0.37)
     off = 0
     for t in targets:
-        exp = flat[off : off + t.numel()].to(torch.float64).view(t.shape) * 0.5
-        tol = TOL[t.dtype]
-        if backend == "triton" and torch.float64 in (flat_dtype, t.dtype):
-            tol = (max(tol[0], 1.2e-7), tol[1])  # interpreter float32 scale, see above
-        assert_close(t, exp, dtype=t.dtype, what=f"{flat_dtype}->{t.dtype}", tol=tol)
+        exp = flat[off : off + t.numel()].to(torch.float64).view(t.shape) * 0.37
+        assert_close(t, exp, dtype=t.dtype, what=f"{flat_dtype}->{t.dtype}")
         off += t.numel()
 
 
