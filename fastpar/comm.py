@@ -947,10 +947,13 @@ def gather(tensors, dim=0, destination=None, *, out=None):
     # copy is invisible to it.)
     tracked = torch.is_grad_enabled() and (out.requires_grad or any(t.requires_grad for t in ts))
     if dim == 0 and out.is_contiguous() and all(t.device == dst and t.dtype == out.dtype for t in ts) \
-            and out.numel() and out.element_size() in (1, 2, 4, 8) and not tracked and not in_place:
+            and out.numel() and out.element_size() in (1, 2, 4, 8) and not tracked and not in_place \
+            and not out.is_conj() and not out.is_neg():
         # Rows of a contiguous result along dim 0 are the inputs laid end to end: one
         # flatten launch instead of one copy per input (flatten moves elements of up to
-        # 8 bytes; complex128 takes the copies below).
+        # 8 bytes; complex128 takes the copies below). A lazily conjugated or negated
+        # out (its bits are not its values; flatten refuses one) takes the copies too,
+        # which write such a view as torch's do.
         flatten(ts, out=out.view(-1))
         return out
     off = 0

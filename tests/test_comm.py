@@ -1888,3 +1888,17 @@ def test_iterables_are_taken_where_torch_iterates_them():
             comm.gather(bad, destination="cpu")
     with pytest.raises(TypeError, match="inputs must be a list or tuple of tensors, got generator"):
         comm.reduce_add((x for x in xs), "cpu")
+
+
+@pytest.mark.parametrize("kind", ["neg", "conj"])
+def test_gather_into_lazily_negated_or_conjugated_out(kind):
+    """An ``out`` that is a negated or conjugated view (``z.conj().imag`` is a negated
+    one) is written through its view, as torch's copies write it: the one-launch path
+    raised flatten's "lazily negated view" ValueError, whose advice (resolve it) would
+    write a temporary instead of ``out``."""
+    dtype = torch.float32 if kind == "neg" else torch.complex64
+    ts = [torch.randn(2, 3, dtype=dtype), torch.randn(1, 3, dtype=dtype)]
+    base = poisoned(3, 3, dtype=dtype)
+    out = torch._neg_view(base) if kind == "neg" else base.conj()
+    assert comm.gather(ts, 0, out=out) is out
+    assert torch.equal(out, torch.cat(ts))
