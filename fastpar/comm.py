@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import operator
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -823,8 +824,10 @@ def scatter(tensor, devices=None, chunk_sizes=None, dim=0, streams=None, *, out=
         sizes = list(chunk_sizes)
         if len(sizes) != len(devs):
             raise ValueError(f"chunk_sizes must have one entry per device ({len(devs)}), got {len(sizes)}")
-        if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in sizes):
+        ints = [_as_int(s) for s in sizes]
+        if any(s is None or s < 0 for s in ints):
             raise ValueError(f"chunk_sizes must be non-negative ints, got {sizes}")
+        sizes = ints
         if sum(sizes) != size:
             raise ValueError(
                 f"chunk_sizes must sum to tensor.size({dim}) = {size}, got {sizes} (sum {sum(sizes)})"
@@ -867,10 +870,22 @@ def _shared_memory_format(ts) -> torch.memory_format:
     return torch.contiguous_format
 
 
+def _as_int(x):
+    """``x`` as an int where torch's C++ int arguments take it (an int, a numpy integer,
+    a one-element integer tensor: anything with ``__index__``), a bool excepted; else None."""
+    if isinstance(x, bool) or (isinstance(x, torch.Tensor) and x.dtype == torch.bool):
+        return None
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
+
+
 def _dim(dim, ndim: int) -> int:
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -ndim <= dim < ndim:
+    d = _as_int(dim)
+    if d is None or not -ndim <= d < ndim:
         raise ValueError(f"dim must be an int in [{-ndim}, {ndim}), got {dim!r}")
-    return dim % ndim
+    return d % ndim
 
 
 def gather(tensors, dim=0, destination=None, *, out=None):

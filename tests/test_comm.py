@@ -1902,3 +1902,20 @@ def test_gather_into_lazily_negated_or_conjugated_out(kind):
     out = torch._neg_view(base) if kind == "neg" else base.conj()
     assert comm.gather(ts, 0, out=out) is out
     assert torch.equal(out, torch.cat(ts))
+
+
+def test_scatter_and_gather_take_numpy_and_tensor_ints():
+    """torch's scatter and gather pass ``chunk_sizes`` and ``dim`` to C++ int64
+    arguments, which take anything with ``__index__`` (numpy integers, as
+    ``np.array_split`` sizes come, and integer tensors): they were refused as not ints."""
+    import numpy as np
+
+    x = torch.randn(7, 5)
+    for sizes in (np.array([3, 4]), torch.tensor([3, 4]), [np.int64(3), torch.tensor(4)]):
+        chunks = comm.scatter(x, ["cpu", "cpu"], sizes, dim=np.int64(0))
+        assert [c.shape[0] for c in chunks] == [3, 4] and torch.equal(torch.cat(chunks), x)
+    assert torch.equal(comm.gather([x, x], dim=np.int32(-1), destination="cpu"), torch.cat([x, x], -1))
+    with pytest.raises(ValueError, match=r"chunk_sizes must be non-negative ints"):
+        comm.scatter(x, ["cpu", "cpu"], [np.float64(3), 4])
+    with pytest.raises(ValueError, match=r"chunk_sizes must be non-negative ints"):
+        comm.scatter(x, ["cpu", "cpu"], [torch.tensor(True), 6])
