@@ -298,7 +298,7 @@ def broadcast_coalesced(tensors, devices, buffer_size=_DEFAULT_BUFFER):
     writes every copy directly. Sparse COO tensors are copied on their own, as torch's.
 
     Args:
-        tensors (list or tuple of Tensor): tensors to broadcast; all must be on
+        tensors (Iterable[Tensor]): tensors to broadcast; all must be on
             ``devices[0]``.
         devices (Iterable[torch.device, str or int]): devices to copy to.
         buffer_size (int): a positive int, accepted for compatibility with torch (torch
@@ -310,6 +310,7 @@ def broadcast_coalesced(tensors, devices, buffer_size=_DEFAULT_BUFFER):
     """
     devs = _devices(devices, "devices")
     _check_buffer_size(buffer_size)
+    tensors = _sequence(tensors)  # any iterable, as torch's takes (a generator)
     if isinstance(tensors, (list, tuple)) and not tensors:
         return [[] for _ in devs]  # as torch's: an empty list per device
     if isinstance(tensors, (list, tuple)) and _has_sparse([tensors]):

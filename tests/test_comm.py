@@ -1919,3 +1919,12 @@ def test_scatter_and_gather_take_numpy_and_tensor_ints():
         comm.scatter(x, ["cpu", "cpu"], [np.float64(3), 4])
     with pytest.raises(ValueError, match=r"chunk_sizes must be non-negative ints"):
         comm.scatter(x, ["cpu", "cpu"], [torch.tensor(True), 6])
+
+
+def test_broadcast_coalesced_takes_any_iterable_of_tensors():
+    """torch's broadcast_coalesced builds a list from any iterable (``[... for t in
+    tensors]``); a generator was refused as not a list or tuple."""
+    ts = [torch.randn(3), torch.randn(2, 2)]
+    result = comm.broadcast_coalesced((t for t in ts), ["cpu", "cpu"])
+    assert all(a is b for a, b in zip(result[0], ts))
+    assert all(torch.equal(a, b) for a, b in zip(result[1], ts))
