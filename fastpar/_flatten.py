@@ -78,8 +78,9 @@ def flatten(tensors, *, dtype=None, scale=None, out=None):
             without ``dtype``, ``dtype``/``scale``/``out`` has the wrong type or dtype,
             ``out`` is not a dense (strided) tensor, or the kernels do not convert or
             scale these dtypes (elements of 1, 2, 4 or 8 bytes are copied as they are,
-            so complex128 is refused; casts and ``scale`` take the float and integer
-            dtypes, not bool or complex).
+            so complex128 is refused, and so are quantized tensors, whose scale a copy
+            would lose; casts and ``scale`` take the float and integer dtypes, not bool
+            or complex).
         ValueError: ``tensors`` is empty, the tensors are on several devices, or ``out``
             has the wrong size or device, is not contiguous and 1-D, is a lazily
             conjugated or negated view, or overlaps an input.

@@ -12,6 +12,17 @@ CAST_DTYPES = (
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
 )
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+#: Quantized dtypes: a tensor's values are its integers with a scale and zero point held
+#: by its quantizer, which a tensor made from copied bytes does not get (it has none).
+QUANTIZED_DTYPES = frozenset((torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4))
+
+
+def check_not_quantized(dtype: torch.dtype, what: str) -> None:
+    if dtype in QUANTIZED_DTYPES:
+        raise TypeError(
+            f"{what}: quantized tensors ({dtype}) are not supported (the copies would have no "
+            "quantizer, so no scale or zero point); pass t.int_repr() or t.dequantize()"
+        )
 
 
 def check_dtype(dtype, name: str) -> torch.dtype:
@@ -23,6 +34,8 @@ def check_dtype(dtype, name: str) -> torch.dtype:
 def check_conversion(src: torch.dtype, dst: torch.dtype, scale, what: str) -> None:
     """Raise unless the kernels can copy ``src`` to ``dst`` (with ``scale``)."""
     if src == dst and scale is None:
+        if src in QUANTIZED_DTYPES:
+            check_not_quantized(src, what)  # raises
         if src.itemsize not in (1, 2, 4, 8):
             raise TypeError(f"{what}: dtype {src} ({src.itemsize}-byte elements) is not supported")
         return

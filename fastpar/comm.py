@@ -42,7 +42,14 @@ from . import _alloc, _cuda, _dispatch, _tuning
 from ._fastcheck import increment_versions
 from ._flatten import byte_layout, byte_views, flatten, pack_bytes, region, split_views
 from ._plan import ReduceGroup, plan_for
-from ._validate import CAST_DTYPES, check_not_inference, check_not_recorded, check_writable
+from ._validate import (
+    CAST_DTYPES,
+    QUANTIZED_DTYPES,
+    check_not_inference,
+    check_not_quantized,
+    check_not_recorded,
+    check_writable,
+)
 
 __all__ = [
     "broadcast",
@@ -318,6 +325,9 @@ def broadcast_coalesced(tensors, devices, buffer_size=_DEFAULT_BUFFER):
     plan = plan_for(tensors, "tensors")
     if plan.device != devs[0]:
         raise ValueError(f"tensors must be on devices[0] ({devs[0]}), got tensors on {plan.device}")
+    for g in plan.groups:
+        if g.dtype in QUANTIZED_DTYPES:  # (the message is built only for a refusal)
+            check_not_quantized(g.dtype, f"broadcast_coalesced: tensors[{int(g.index[0])}]")  # raises
     result = [list(plan.tensors)]
     if len(devs) == 1:
         return result
@@ -954,6 +964,9 @@ def gather(tensors, dim=0, destination=None, *, out=None):
             _warn_minus_one(destination, stacklevel=2)
             dst = _device(destination, "destination")
         in_place = False
+        # (A new tensor of a quantized dtype would have no quantizer: no values to give.)
+        if t0.dtype in QUANTIZED_DTYPES:
+            check_not_quantized(t0.dtype, "gather: tensors[0]")  # raises
         fmt = _shared_memory_format(ts)
         if fmt is torch.contiguous_format:
             out = _alloc.empty(shape, dtype=t0.dtype, device=dst)
@@ -964,12 +977,13 @@ def gather(tensors, dim=0, destination=None, *, out=None):
     tracked = torch.is_grad_enabled() and (out.requires_grad or any(t.requires_grad for t in ts))
     if dim == 0 and out.is_contiguous() and all(t.device == dst and t.dtype == out.dtype for t in ts) \
             and out.numel() and out.element_size() in (1, 2, 4, 8) and not tracked and not in_place \
-            and not out.is_conj() and not out.is_neg():
+            and not out.is_conj() and not out.is_neg() and not out.is_quantized:
         # Rows of a contiguous result along dim 0 are the inputs laid end to end: one
         # flatten launch instead of one copy per input (flatten moves elements of up to
         # 8 bytes; complex128 takes the copies below). A lazily conjugated or negated
         # out (its bits are not its values; flatten refuses one) takes the copies too,
-        # which write such a view as torch's do.
+        # which write such a view as torch's do; so does a quantized out (flatten
+        # refuses one), which copy_ writes with out's own quantizer.
         flatten(ts, out=out.view(-1))
         return out
     off = 0

@@ -1928,3 +1928,22 @@ def test_broadcast_coalesced_takes_any_iterable_of_tensors():
     result = comm.broadcast_coalesced((t for t in ts), ["cpu", "cpu"])
     assert all(a is b for a, b in zip(result[0], ts))
     assert all(torch.equal(a, b) for a, b in zip(result[1], ts))
+
+
+def test_quantized_tensors_keep_their_quantizer_or_are_refused():
+    """broadcast_coalesced and gather (out=None) made tensors of a quantized dtype from
+    copied bytes, with no quantizer (so no values: dequantize() failed an internal
+    assert); they now raise a TypeError. gather into a quantized out takes copy_, as
+    torch's, and keeps out's quantizer."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch 2.13 deprecates quantized tensors)
+        q = torch.quantize_per_tensor(torch.tensor([1.0, -0.5, 0.3]), 0.1, 0, torch.qint8)
+        out = torch.quantize_per_tensor(torch.zeros(6), 0.1, 0, torch.qint8)
+    with pytest.raises(TypeError, match=r"broadcast_coalesced: tensors\[0\]: quantized tensors"):
+        comm.broadcast_coalesced([q], ["cpu", "cpu"])
+    with pytest.raises(TypeError, match=r"gather: tensors\[0\]: quantized tensors"):
+        comm.gather([q, q], 0, "cpu")
+    assert comm.gather([q, q], 0, out=out) is out
+    assert torch.equal(out.dequantize(), torch.cat([q, q]).dequantize())

@@ -2140,3 +2140,22 @@ def test_triton_interpreter_launches_never_overlap(monkeypatch):
         _dispatch._kernel.cache_clear()
     assert not overlapped, "two interpreted launches ran at once"
     assert all(r is not None and torch.equal(r, torch.cat(ts)) for r in results)
+
+
+def test_quantized_tensors_are_refused_before_writing():
+    """A quantized tensor's values are its integers with a scale and zero point held by
+    its quantizer. flatten copied the integers into a tensor with no quantizer (its
+    dequantize() then failed an internal assert), and unflatten_into wrote integers
+    under the destination's own scale; both now raise a TypeError, writing nothing."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch 2.13 deprecates quantized tensors)
+        q = torch.quantize_per_tensor(torch.tensor([1.0, -0.5, 0.3]), 0.1, 0, torch.qint8)
+        dst = torch.quantize_per_tensor(torch.zeros(3), 0.5, 0, torch.qint8)
+    with pytest.raises(TypeError, match=r"flatten: quantized tensors \(torch.qint8\) are not supported"):
+        fastpar.flatten([q])
+    before = dst.int_repr().clone()
+    with pytest.raises(TypeError, match=r"unflatten_into: quantized tensors"):
+        fastpar.unflatten_into(q.int_repr().view(torch.qint8), [dst])
+    assert torch.equal(dst.int_repr(), before)
