@@ -505,8 +505,9 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
         inputs = [_sequence(lst) for lst in inputs]  # (a list's plan is cached on the list itself)
     if not isinstance(inputs, (list, tuple)) or not inputs:
         raise TypeError(f"inputs must be a non-empty list of per-device tensor lists, got {inputs!r:.80}")
-    if out is None and all(isinstance(lst, (list, tuple)) and not lst for lst in inputs):
-        return ()  # as torch's: nothing to sum
+    if (out is None or isinstance(out, (list, tuple)) and not out) \
+            and all(isinstance(lst, (list, tuple)) and not lst for lst in inputs):
+        return ()  # as torch's: nothing to sum (and an empty out holds every sum)
     try:
         plans = [plan_for(lst, f"inputs[{k}]") for k, lst in enumerate(inputs)]
     except TypeError:

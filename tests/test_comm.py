@@ -1947,3 +1947,12 @@ def test_quantized_tensors_keep_their_quantizer_or_are_refused():
         comm.gather([q, q], 0, "cpu")
     assert comm.gather([q, q], 0, out=out) is out
     assert torch.equal(out.dequantize(), torch.cat([q, q]).dequantize())
+
+
+def test_reduce_add_coalesced_of_empty_lists_into_an_empty_out():
+    """Empty per-device lists have nothing to sum with out=None (``()``, as torch's);
+    with out=[] (one tensor per position: none) they were refused as 'inputs[0] must
+    contain at least one tensor'."""
+    assert comm.reduce_add_coalesced([[], []], "cpu", out=[]) == ()
+    with pytest.raises(ValueError, match=r"inputs\[0\] must contain at least one tensor"):
+        comm.reduce_add_coalesced([[], []], "cpu", out=[torch.zeros(1)])
