@@ -989,10 +989,11 @@ def gather(tensors, dim=0, destination=None, *, out=None):
         return out
     off = 0
     for t in ts:
-        if t.is_neg() and t.dtype != out.dtype:
+        if t.dtype != out.dtype and (t.is_neg() or out.is_neg()):
             # torch 2.13's copy_ from a lazily negated float16 tensor into float32 (and
-            # back) drops the negation; resolved first, the values are right.
-            t = t.resolve_neg()
+            # back) drops the negation, and so does its copy_ into a negated out; the
+            # source resolved and converted first, the copy is of one dtype and right.
+            t = t.resolve_neg().to(out.dtype)
         # As torch's gather: asynchronous only into device memory (a pinned host ``out``
         # would be returned while the copies still write it).
         out.narrow(dim, off, t.size(dim)).copy_(t, non_blocking=out.is_cuda)

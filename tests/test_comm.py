@@ -1956,3 +1956,15 @@ def test_reduce_add_coalesced_of_empty_lists_into_an_empty_out():
     assert comm.reduce_add_coalesced([[], []], "cpu", out=[]) == ()
     with pytest.raises(ValueError, match=r"inputs\[0\] must contain at least one tensor"):
         comm.reduce_add_coalesced([[], []], "cpu", out=[torch.zeros(1)])
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float16, torch.float32), (torch.float32, torch.float16)], ids=str)
+def test_gather_converts_into_a_negated_out(dtypes):
+    """torch 2.13's ``copy_`` of float16 into a lazily negated float32 tensor (and back)
+    drops the negation, as it does from a negated source
+    (test_gather_converts_negated_views): gather converts the source first."""
+    src, dst = dtypes
+    ts = [torch.tensor([1.0, -2.0], dtype=src), torch.tensor([3.0], dtype=src)]
+    out = torch._neg_view(poisoned(3, dtype=dst))
+    comm.gather(ts, 0, out=out)
+    assert torch.equal(out, torch.tensor([1.0, -2.0, 3.0], dtype=dst))
