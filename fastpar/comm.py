@@ -381,7 +381,9 @@ def sparse_copy(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
 
 def _check_buffer_size(buffer_size) -> None:
     if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size <= 0:
-        raise ValueError(f"buffer_size must be a positive int, got {buffer_size!r}")
+        n = _as_int(buffer_size)  # (a numpy integer: torch's take one, as an int64 argument)
+        if n is None or n <= 0:
+            raise ValueError(f"buffer_size must be a positive int, got {buffer_size!r}")
 
 
 # ------------------------------------------------------------------------------ reduce

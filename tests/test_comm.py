@@ -1968,3 +1968,17 @@ def test_gather_converts_into_a_negated_out(dtypes):
     out = torch._neg_view(poisoned(3, dtype=dst))
     comm.gather(ts, 0, out=out)
     assert torch.equal(out, torch.tensor([1.0, -2.0, 3.0], dtype=dst))
+
+
+def test_buffer_size_may_be_a_numpy_integer():
+    """torch's broadcast_coalesced passes buffer_size to a C++ int64 argument and its
+    reduce_add_coalesced compares it with byte counts: a numpy integer works in both;
+    fastpar refused it as not a positive int. Bools and non-positive values still are."""
+    import numpy as np
+
+    ts = [torch.randn(3)]
+    assert torch.equal(comm.broadcast_coalesced(ts, ["cpu", "cpu"], np.int64(1024))[1][0], ts[0])
+    assert torch.equal(comm.reduce_add_coalesced([ts, ts], "cpu", np.int32(1024))[0], 2 * ts[0])
+    for bad in (True, np.int64(0), 1.5):
+        with pytest.raises(ValueError, match=r"buffer_size must be a positive int"):
+            comm.reduce_add_coalesced([ts, ts], "cpu", bad)
