@@ -27,6 +27,7 @@ from . import _alloc, comm, rnn
 from ._flatten import byte_layout, byte_views, pack_bytes
 from ._functions import Broadcast
 from ._plan import plan_for
+from ._validate import QUANTIZED_DTYPES, check_not_quantized
 from .kernels._launch import fork_safe_lock
 
 __all__ = ["replicate"]
@@ -277,6 +278,10 @@ def replicate(network, devices, detach=False):
                     f"replicate: network's {kind} {name!r} is on {t.device}, but every parameter and "
                     f"buffer must be on devices[0] ({devs[0]})"
                 )
+            if t.dtype in QUANTIZED_DTYPES and num_replicas > 1:
+                # Its copies would be its integers without its quantizer (scale, zero
+                # point): tensors that report is_quantized False and cannot be used.
+                check_not_quantized(t.dtype, f"replicate: network's {kind} {_member_name(network, t)!r}")
     pool = _POOLS.get(network)
     if pool is None:
         pool = _POOLS[network] = _BufferPool()

@@ -468,6 +468,20 @@ def test_replicas_made_after_inference_mode_train():
     assert m.weight.grad is not None
 
 
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+def test_a_quantized_buffer_is_refused_before_anything_is_made():
+    """A quantized buffer's copies would be its integers without its quantizer (they
+    reported ``is_quantized`` False with a qint8 dtype, and ``copy_`` on them raised):
+    refused, naming the buffer; one device needs no copy and is left alone."""
+    m = nn.Linear(3, 3)
+    m.register_buffer("q", torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8))
+    with pytest.raises(TypeError, match=r"replicate: network's buffer 'q': quantized tensors \(torch.qint8\)"):
+        replicate(m, ["cpu", "cpu"])
+    assert m not in _POOLS, "nothing is made for a refused call"
+    (only,) = replicate(m, ["cpu"])
+    assert only.q.is_quantized and torch.equal(only.q.int_repr(), m.q.int_repr())
+
+
 def test_sparse_buffers_and_parameters_replicate_and_train():
     """Sparse COO buffers are copied as torch's broadcast_coalesced copies them; a sparse
     parameter (where torch's Broadcast fails: autograd cannot make a view of it) gets an
