@@ -15,6 +15,17 @@ from fastpar._workloads import WORKLOADS, nbytes
 WL = list(WORKLOADS)
 
 
+def _cat(ts) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in ts])
+
+
+def _check(got: torch.Tensor, expected: torch.Tensor, provider: str) -> None:
+    """Both providers' timed calls compute the same (exact) result: a ratio between a
+    fast wrong call and a right one would mean nothing."""
+    assert got.dtype == expected.dtype and torch.equal(got, expected), \
+        f"{provider}: the benchmarked call computes the wrong values"
+
+
 @pytest.fixture(scope="module", params=WL)
 def workload(request):
     torch.manual_seed(0)
@@ -29,6 +40,7 @@ def test_flatten_allocating(benchmark, workload, provider):
     benchmark.group = f"flatten alloc: {name}"
     fn = (lambda: fastpar.flatten(ts)) if provider == "fastpar" else (lambda: torch._utils._flatten_dense_tensors(ts))
     measure(benchmark, fn, 2 * nbytes(ts))
+    _check(fn(), _cat(ts), provider)
 
 
 @pytest.mark.parametrize("provider", ["fastpar", "torch", "copy_"])
@@ -45,6 +57,8 @@ def test_flatten_out(benchmark, workload, provider):
         src = torch.randn(n)
         fn = lambda: out.copy_(src)
     measure(benchmark, fn, 2 * nbytes(ts))
+    if provider != "copy_":  # the timed calls wrote out
+        _check(out, _cat(ts), provider)
 
 
 @pytest.mark.parametrize("variant", ["alloc", "out="])
@@ -89,6 +103,7 @@ def test_flatten_bf16_scale_out(benchmark, workload, provider):
             out.copy_(buf)
 
     measure(benchmark, fn, nbytes(ts) + 2 * n)
+    _check(out, (_cat(ts) * 0.125).bfloat16(), provider)
 
 
 @pytest.mark.parametrize("views_ready", [False, True], ids=["views-made", "views-prebuilt"])
@@ -113,3 +128,5 @@ def test_unflatten_into(benchmark, workload, provider, views_ready):
         out = torch.zeros(n)
         fn = lambda: out.copy_(flat)
     measure(benchmark, fn, 2 * nbytes(ts))
+    if provider != "copy_":  # the timed calls wrote dst
+        _check(torch.cat([d.reshape(-1) for d in dst]), flat, provider)
