@@ -86,3 +86,35 @@ def test_installed_wheel_imports_and_runs(wheel, tmp_path):
     assert len(files) == 2 and all(Path(f).is_relative_to(target) for f in files), (
         f"imported from {files}, expected both under {target}"
     )
+
+
+def test_every_third_party_import_is_a_declared_dependency(wheel):
+    # fastpar/_fastcheck.py and the Numba kernels import llvmlite directly; it was not in
+    # `dependencies` (it only arrived as numba's own requirement).
+    import ast
+    import re
+
+    with zipfile.ZipFile(wheel) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        declared = {
+            re.split(r"[\s<>=!~;\[(]", line.split(":", 1)[1].strip(), maxsplit=1)[0].lower().replace("_", "-")
+            for line in z.read(meta).decode().splitlines()
+            if line.startswith("Requires-Dist:") and "extra ==" not in line
+        }
+        imported = {}
+        for name in z.namelist():
+            if not name.endswith(".py"):
+                continue
+            for node in ast.walk(ast.parse(z.read(name), name)):
+                if isinstance(node, ast.Import):
+                    mods = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and not node.level:
+                    mods = [node.module]
+                else:
+                    continue
+                for mod in mods:
+                    top = mod.split(".")[0]
+                    if top not in sys.stdlib_module_names and top not in ("fastpar", "__future__"):
+                        imported.setdefault(top.lower().replace("_", "-"), name)
+    undeclared = {mod: where for mod, where in imported.items() if mod not in declared}
+    assert not undeclared, f"imported but not declared in [project] dependencies: {undeclared} (declared: {sorted(declared)})"
