@@ -29,7 +29,8 @@ def _info(args) -> int:
         name = torch.cuda.get_device_name(d) if d.type == "cuda" else platform.processor() or "cpu"
         try:
             backend = _dispatch.backend_for(d)
-        except ValueError as e:  # a bad FASTPAR_BACKEND: the diagnostic says so, not a traceback
+        except (ValueError, RuntimeError) as e:  # a bad FASTPAR_BACKEND, or one that cannot run on this
+            # device (numba on CUDA): the diagnostic says so, not a traceback
             backend = f"none ({e})"
         print(f"  {str(d):8s} {name:40s} backend={backend}")
     if torch.cuda.device_count() > 1:

@@ -186,3 +186,21 @@ def test_write_check_passes_when_another_run_removes_the_folder_it_made(tmp_path
     monkeypatch.setattr(tempfile, "mkstemp", other_run_cleans_up)
     assert writable_or_exit(folder) is None
     assert not (tmp_path / "new").exists(), "left the folders it made"
+
+
+@pytest.mark.parametrize("error", [ValueError, RuntimeError])
+def test_info_reports_a_backend_refusal_instead_of_crashing(capsys, monkeypatch, error):
+    # FASTPAR_BACKEND=numba on a CUDA machine: backend_for raises RuntimeError ("cannot run
+    # on cuda tensors"), which info let through as a traceback (it caught ValueError only,
+    # a misspelt name). Simulated here on the CPU device.
+    from fastpar import _dispatch
+    from fastpar.kernels.ops_triton import aot
+
+    def refuse(device):
+        raise error(f"backend 'x' cannot run on {device} tensors")
+
+    monkeypatch.setattr(_dispatch, "backend_for", refuse)
+    monkeypatch.setattr(aot, "compile_copy", lambda cc: "ld.global.v4.f32")
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "backend=none (backend 'x' cannot run on cpu tensors)" in out, out
