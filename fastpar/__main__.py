@@ -1,6 +1,8 @@
 """python -m fastpar: info (environment and backends), bench [--quick] (fastpar vs
-torch on the real workloads: table, JSON and plot under results/bench/) and autotune
-[--quick] (tune launch parameters; saved under results/autotune/)."""
+torch on the real workloads: table, JSON and plot under <results>/bench/) and autotune
+[--quick] (tune launch parameters; saved under <results>/autotune/). <results> is
+--results-dir, else $FASTPAR_RESULTS_DIR, else the source checkout's results/, else
+~/.cache/fastpar."""
 from __future__ import annotations
 
 import argparse
@@ -165,11 +167,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fastpar", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, devices, the backend of each, Triton AOT check")
-    pb = sub.add_parser("bench", help="fastpar vs torch on the real workloads: table, JSON and plot in results/bench/")
+    pb = sub.add_parser("bench", help="fastpar vs torch on the real workloads: table, JSON and plot in <results>/bench/")
     from .bench import add_arguments
 
     add_arguments(pb)
-    pa = sub.add_parser("autotune", help="tune launch parameters for this machine; saved in results/autotune/")
+    pa = sub.add_parser("autotune", help="tune launch parameters for this machine; saved in <results>/autotune/")
     pa.add_argument("--quick", action="store_true", help="fewer sizes and a shorter budget per key")
     pa.add_argument("--ops", default=None, help="comma-separated ops of the search space (default: all)")
     pa.add_argument("--space", default=None, help="search-space JSON (default: fastpar/tuning_space.json)")

@@ -204,3 +204,14 @@ def test_info_reports_a_backend_refusal_instead_of_crashing(capsys, monkeypatch,
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert "backend=none (backend 'x' cannot run on cpu tensors)" in out, out
+
+
+def test_help_names_no_fixed_results_folder(capsys):
+    # The help said bench/autotune write to results/bench/ and results/autotune/: true in
+    # a source checkout only; an installed copy writes under ~/.cache/fastpar (or
+    # $FASTPAR_RESULTS_DIR, or --results-dir).
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert " results/bench/" not in out and " results/autotune/" not in out, out
+    assert "~/.cache/fastpar" in out and "$FASTPAR_RESULTS_DIR" in out, out
