@@ -32,6 +32,24 @@ def _marked(ctx, outputs) -> tuple:
     return tuple(t for tensors in outputs for t in tensors)
 
 
+def _reduced(ctx, grad_outputs) -> tuple:
+    """The backward of a broadcast: the sums of the copies' gradients, one per input,
+    None for the inputs that need no gradient. Their copies are non-differentiable, and
+    autograd hands zeros for them; summing those (a frozen backbone's parameters, every
+    step) would be work thrown away, so only the inputs that need a gradient are
+    reduced."""
+    needed = [i for i, needs in enumerate(ctx.needs_input_grad[1:]) if needs]
+    n = ctx.num_inputs
+    if len(needed) == n:
+        return ReduceAddCoalesced.apply(ctx.input_device, n, ctx.devices, *grad_outputs)
+    sums = [None] * n
+    if needed:
+        grads = [grad_outputs[j + i] for j in range(0, len(grad_outputs), n) for i in needed]
+        for i, s in zip(needed, ReduceAddCoalesced.apply(ctx.input_device, len(needed), ctx.devices, *grads)):
+            sums[i] = s
+    return tuple(sums)
+
+
 class Broadcast(Function):
     """Copies of ``inputs`` on every device of ``placement`` (a
     :class:`fastpar.replicate._Placement`), which lays each device's copies out in its
@@ -51,7 +69,7 @@ class Broadcast(Function):
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        return (None,) + ReduceAddCoalesced.apply(ctx.input_device, ctx.num_inputs, ctx.devices, *grad_outputs)
+        return (None,) + _reduced(ctx, grad_outputs)
 
 
 class BroadcastCoalesced(Function):
@@ -74,7 +92,7 @@ class BroadcastCoalesced(Function):
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        return (None,) + ReduceAddCoalesced.apply(ctx.input_device, ctx.num_inputs, ctx.devices, *grad_outputs)
+        return (None,) + _reduced(ctx, grad_outputs)
 
 
 class ReduceAddCoalesced(Function):

@@ -606,6 +606,39 @@ def test_frozen_parameter_copies_do_not_require_grad():
         assert r.weight.requires_grad and not r.bias.requires_grad
 
 
+def test_backward_reduces_only_the_parameters_that_need_a_gradient(monkeypatch):
+    """Autograd hands zeros for the frozen parameters' (non-differentiable) copies;
+    Broadcast's backward summed them too, every step (a frozen backbone: all of it),
+    and threw the sums away. Only the trainable ones are reduced now."""
+    import copy
+
+    from fastpar import comm
+
+    reduced = []
+    real = comm.reduce_add_coalesced
+
+    def spy(inputs, destination=None, *args, **kwargs):
+        reduced.append([t.shape for t in inputs[0]])
+        return real(inputs, destination, *args, **kwargs)
+
+    monkeypatch.setattr(comm, "reduce_add_coalesced", spy)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3), nn.Linear(3, 2)).double()
+    for p in [net[0].weight, net[0].bias, net[1].bias]:
+        p.requires_grad_(False)
+    ref = copy.deepcopy(net)
+    x = torch.randn(4, 5, dtype=torch.float64)
+    reps = replicate(net, ["cpu", "cpu"])
+    sum(r(xx).sum() for r, xx in zip(reps, x.chunk(2))).backward()
+    assert reduced == [[net[1].weight.shape, net[2].weight.shape, net[2].bias.shape]]
+    ref(x).sum().backward()
+    for (n, a), b in zip(net.named_parameters(), ref.parameters()):
+        if b.grad is None:
+            assert a.grad is None, n
+        else:
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12, msg=n)
+
+
 def test_pool_allocates_anew_when_the_network_grows():
     net = nn.Sequential(nn.Linear(2, 2))
     replicate(net, ["cpu", "cpu"], detach=True)  # its buffers are free again at once
