@@ -15,6 +15,7 @@ from .kernels import _launch as _kernels_launch  # noqa: F401  (pins the PID for
 from ._dispatch import backend_for, use_backend
 from ._flatten import flatten, unflatten, unflatten_into
 from ._plan import clear_plan_cache
+from ._tuning import TuningWarning
 from .data_parallel import DataParallel, data_parallel
 from .parallel_apply import parallel_apply
 from .replicate import replicate
@@ -24,6 +25,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DataParallel",
+    "TuningWarning",
     "__version__",
     "backend_for",
     "clear_plan_cache",

@@ -72,7 +72,7 @@ _EMPTY: dict = {}
 class TuningWarning(UserWarning):
     """A tuned-results file was missing or ignored; default launch parameters are used.
 
-    Silence it with ``warnings.filterwarnings("ignore", category=fastpar._tuning.TuningWarning)``."""
+    Silence it with ``warnings.filterwarnings("ignore", category=fastpar.TuningWarning)``."""
 
 
 class TuningFileError(ValueError):
@@ -287,7 +287,8 @@ def check_bounds(bounds, where: str) -> None:
 def load_space(path: str | os.PathLike | None = None) -> dict:
     """Read and validate a search-space file (default: the packaged
     ``fastpar/tuning_space.json``). Raises :class:`TuningFileError` naming the field."""
-    path = Path(path) if path is not None else SPACE_PATH
+    # ``~`` expanded, as for the results folder (``--space=~/s.json`` reaches here as is).
+    path = Path(path).expanduser() if path is not None else SPACE_PATH
     try:
         # Strict, as tuned files are read: a NaN would reach the tuned file's digest
         # (parts of the space are saved with the results) and fail only at the end of

@@ -515,6 +515,20 @@ def test_space_below_the_packaged_floor_is_refused(tmp_path):
         _tuning.load_space(p)
 
 
+def test_space_path_expands_the_home_folder(tmp_path, monkeypatch):
+    """``--space=~/s.json`` reaches load_space as is (no shell expands ``~`` after
+    ``=``); it was read as ``./~/s.json``, as ``--results-dir`` once was."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "s.json").write_text(_tuning.SPACE_PATH.read_text())
+    assert _tuning.load_space("~/s.json") == _tuning.load_space(_tuning.SPACE_PATH)
+
+
+def test_tuning_warning_is_public():
+    """Users without a tuned file see it once; they filter it by its public class."""
+    assert fastpar.TuningWarning is _tuning.TuningWarning and "TuningWarning" in fastpar.__all__
+    assert issubclass(fastpar.TuningWarning, UserWarning)
+
+
 @pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
 def test_space_with_a_non_json_constant_is_refused_when_read(tmp_path, constant):
     """Python's json reads NaN and Infinity; a space holding one (here in a parameter's
