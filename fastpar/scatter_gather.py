@@ -36,12 +36,15 @@ def scatter(inputs, target_gpus, dim=0):
 def _scatter(inputs, target_gpus, dim, name: str):
     """:func:`scatter`, naming the tensors that cannot be split ``name[...]``."""
     devs = comm._devices(target_gpus, "target_gpus", unique=False)  # repeats allowed, as torch's
+    # ``dim`` as comm.scatter reads it (any integer type), once for the whole walk; None
+    # when it is no int, which comm.scatter then names.
+    split_dim = comm._as_int(dim)
 
     # ``where``: (parent's where, field name or index/key) chains, spelled out only in
     # an error, so that a long list of objects builds no strings.
     def scatter_map(obj, where):
         if isinstance(obj, torch.Tensor):
-            _check_splittable(obj, dim, where)
+            _check_splittable(obj, split_dim, where)
             return Scatter.apply(devs, None, dim, obj)
         if _is_namedtuple(obj):
             fields = (scatter_map(o, (where, _Field(f))) for f, o in zip(obj._fields, obj))
@@ -80,10 +83,10 @@ def _spelled(where) -> str:
     return where + "".join(reversed(parts))
 
 
-def _check_splittable(t: torch.Tensor, dim, where) -> None:
-    """Raise unless ``t`` has a dimension ``dim`` to be split along. (A ``dim`` that is
-    not an int is left to :func:`fastpar.comm.scatter`, which names it.)"""
-    if isinstance(dim, bool) or not isinstance(dim, int) or -t.dim() <= dim < t.dim():
+def _check_splittable(t: torch.Tensor, dim: int | None, where) -> None:
+    """Raise unless ``t`` has a dimension ``dim`` to be split along. (``dim`` None, no
+    int, is left to :func:`fastpar.comm.scatter`, which names it.)"""
+    if dim is None or -t.dim() <= dim < t.dim():
         return
     raise ValueError(
         f"cannot scatter {_spelled(where)}: it is a {t.dim()}-dim tensor (shape {tuple(t.shape)}) with no "
@@ -136,12 +139,13 @@ def gather(outputs, target_device, dim=0):
     of host replicas."""
     comm._warn_minus_one(target_device, stacklevel=2)
     dst = None if target_device is None else comm._device(target_device, "target_device")
+    gather_dim = comm._as_int(dim)  # (as comm.gather reads it; None: no int, which it names)
 
     def gather_map(outs):
         out = outs[0]
         if isinstance(out, torch.Tensor):
             _same_kind(outs, lambda o: isinstance(o, torch.Tensor), "a tensor")
-            _check_gatherable(outs, dim)
+            _check_gatherable(outs, gather_dim)
             return Gather.apply(dst, dim, *outs)
         if out is None:
             return None
@@ -201,13 +205,13 @@ def gather(outputs, target_device, dim=0):
         gather_map = None
 
 
-def _check_gatherable(outs, dim) -> None:
+def _check_gatherable(outs, dim: int | None) -> None:
     """Raise unless every replica's tensor has a dimension ``dim`` (``dim`` other than 0:
     along 0, 0-dim outputs are made a vector, and comm.gather names a 0-dim one beside
     others). A scalar loss or a per-sample vector under ``dim=1`` otherwise met
     comm.gather's "dim must be an int in [-1, 1), got 1" after a warning that it would
     gather "along dimension 0" (torch's fails with a bare ``IndexError``)."""
-    if isinstance(dim, bool) or not isinstance(dim, int) or dim == 0:
+    if dim is None or dim == 0:
         return  # (a dim that is not an int is named by comm.gather)
     for i, o in enumerate(outs):
         if not -o.dim() <= dim < o.dim():
