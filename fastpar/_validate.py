@@ -34,8 +34,7 @@ def check_dtype(dtype, name: str) -> torch.dtype:
 def check_conversion(src: torch.dtype, dst: torch.dtype, scale, what: str) -> None:
     """Raise unless the kernels can copy ``src`` to ``dst`` (with ``scale``)."""
     if src == dst and scale is None:
-        if src in QUANTIZED_DTYPES:
-            check_not_quantized(src, what)  # raises
+        check_not_quantized(src, what)
         if src.itemsize not in (1, 2, 4, 8):
             raise TypeError(f"{what}: dtype {src} ({src.itemsize}-byte elements) is not supported")
         return
