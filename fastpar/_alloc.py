@@ -35,6 +35,16 @@ _HUGE = 2 << 20  # x86-64 and arm64 (4 KiB base pages) PMD size
 #: Below this a buffer gains little (one or two huge pages at most) and small
 #: allocations come from the malloc heap, where faults are rarely taken afresh.
 _MIN_BYTES = 4 << 20
+#: Host result buffers of at least this many bytes are kept for reuse by
+#: :class:`ResultCache`. glibc serves allocations this large from memory it may hand
+#: back to the kernel when they are freed (``mmap`` chunks, or the heap's top trimmed),
+#: so a loop that allocates one while the previous one is still alive can take a fault
+#: on every page of every new buffer: flattening the 10,000 tiny tensors (a 2.56 MB
+#: result) took 0.7-1.6 ms in the benchmark's rounds, against 0.4-0.8 ms refilling a
+#: kept buffer, and the glibc path was fault-free in other processes (it depends on the
+#: heap's layout). A lookup costs about 2.5 us more than ``torch.empty``: 5% of a 1 MiB
+#: copy, and nothing beside the faults it saves.
+_REUSE_MIN_BYTES = 1 << 20
 
 
 def _load_madvise():
@@ -127,8 +137,9 @@ class ResultCache:
     """Host result buffers handed out again once nothing refers to them, as DDP keeps
     its bucket buffers and torch's CUDA caching allocator keeps blocks.
 
-    ``reduce_add_coalesced`` returns new tensors every call; in a training loop the
-    previous call's results (last step's gradients) are gone by the next call, and
+    ``reduce_add_coalesced`` (and ``flatten`` without ``out=``) returns new tensors every
+    call; in a training loop the previous call's results (last step's gradients) are
+    gone by the next call, and
     refilling their buffer costs no page fault at all, where a new one costs faults
     (huge pages or not) and, on a VM that returns free memory to its host, host-side
     faults too. A buffer is reused only when its storage is referenced by this cache
@@ -137,7 +148,9 @@ class ResultCache:
     alive until the garbage collector runs: Numba's compiler leaves that call's frames
     in a reference cycle. Their buffer is then simply not reused until then.)
 
-    At most ``per_key`` buffers are kept per (dtype, numel, inference mode) and ``max_bytes`` in all
+    Only buffers of at least ``_REUSE_MIN_BYTES`` (1 MiB) are kept; smaller ones are
+    allocated anew every call. At most ``per_key`` buffers are kept per (dtype, numel,
+    inference mode) and ``max_bytes`` in all
     (least recently used keys dropped first: their memory is freed once their results
     die). ``FASTPAR_RESULT_CACHE_MB`` sets ``max_bytes`` (0 turns the cache off);
     :meth:`clear` drops every buffer.
@@ -163,7 +176,7 @@ class ResultCache:
         tensor as the slot's), so a caller keeping ``result._base`` saw it refilled."""
         device = torch.device(device)
         nbytes = numel * dtype.itemsize
-        if device.type != "cpu" or nbytes > self.max_bytes or nbytes < _MIN_BYTES:
+        if device.type != "cpu" or nbytes > self.max_bytes or nbytes < _REUSE_MIN_BYTES:
             return empty(numel, dtype=dtype, device=device), False
         # Buffers made in inference mode are inference tensors: handed out only there
         # (outside, a result could not be modified in place or saved for backward).
@@ -256,3 +269,8 @@ def _gc_after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_gc_after_fork)
+
+
+#: The host result buffers of ``flatten`` (without ``out=``) and ``reduce_add_coalesced``:
+#: one cache, so that ``FASTPAR_RESULT_CACHE_MB`` bounds them together.
+RESULTS = ResultCache()

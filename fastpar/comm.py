@@ -671,8 +671,9 @@ def _result_buffers(plan, dst):
     return addrs, per_group, result, fresh
 
 
-#: Result buffers of reduce_add_coalesced, refilled once their results are gone.
-_RESULTS = _alloc.ResultCache()
+#: Result buffers of reduce_add_coalesced, refilled once their results are gone (shared
+#: with flatten's results).
+_RESULTS = _alloc.RESULTS
 
 
 def _result_layout(plan):

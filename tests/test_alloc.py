@@ -62,7 +62,7 @@ def test_env_switch_turns_it_off(monkeypatch):
 
 
 # ------------------------------------------------------------------------ ResultCache
-N = (_alloc._MIN_BYTES // 4) + 5  # float32 elements: just over the caching threshold
+N = (_alloc._REUSE_MIN_BYTES // 4) + 5  # float32 elements: just over the caching threshold
 
 
 def _storage_ptr(t):
@@ -430,6 +430,25 @@ def test_hint_threshold_is_inclusive(monkeypatch):
     assert len(calls) == 1
     assert not _alloc.advise_huge_pages(torch.empty(_alloc._MIN_BYTES - 1, dtype=torch.uint8))
     assert len(calls) == 1
+
+
+def test_result_cache_threshold_is_inclusive():
+    cache = _alloc.ResultCache(max_bytes=1 << 30)
+    below, reused = cache.empty(_alloc._REUSE_MIN_BYTES - 1, torch.uint8, "cpu")
+    assert not reused and cache._bytes == 0
+    at, reused = cache.empty(_alloc._REUSE_MIN_BYTES, torch.uint8, "cpu")
+    assert not reused and cache._bytes == _alloc._REUSE_MIN_BYTES
+    ptr = at.data_ptr()
+    del at, below
+    again, reused = cache.empty(_alloc._REUSE_MIN_BYTES, torch.uint8, "cpu")
+    assert reused and again.data_ptr() == ptr
+
+
+def test_flatten_and_reduce_share_one_result_cache():
+    # One FASTPAR_RESULT_CACHE_MB budget for both.
+    from fastpar import comm
+
+    assert comm._RESULTS is _alloc.RESULTS
 
 
 def test_result_cache_never_hands_out_a_reused_buffer_in_use():

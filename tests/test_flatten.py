@@ -716,6 +716,53 @@ def test_results_carry_no_history_on_every_backend(backend):
     assert torch.equal(out, torch.cat([t.detach().reshape(-1) for t in ts]))
 
 
+def _keep_result(kind, r):
+    return {"tensor": lambda: r, "view": lambda: r[5:9], "numpy array": r.numpy,
+            "storage": r.untyped_storage, "nothing": lambda: None}[kind]()
+
+
+@pytest.mark.parametrize("kind", ["nothing", "tensor", "view", "numpy array", "storage"])
+def test_flatten_result_buffer_is_refilled_only_once_nothing_refers_to_it(kind):
+    """A host result of 1 MiB or more goes into a dead earlier result's buffer (no page
+    faults), never into one a tensor, view, numpy array or storage object still holds."""
+    import gc
+
+    from fastpar import _alloc
+
+    n = _alloc._REUSE_MIN_BYTES // 4 + 3
+    gen = torch.Generator().manual_seed(5)
+    make = lambda: [rand((n - 10,), torch.float32, gen=gen), rand((2, 5), torch.float32, gen=gen)]
+    fastpar.flatten(make())  # compile first: a compiling call's result lives until the next gc
+    gc.collect()
+    _alloc.RESULTS.clear()
+    first = fastpar.flatten(make())
+    ptr, expected = first.data_ptr(), first.clone()
+    kept = _keep_result(kind, first)
+    if kept is None:
+        poison_(first)  # what the next call does not write shows
+    del first
+    ts = make()
+    again = [fastpar.flatten(ts) for _ in range(3)]
+    for r in again:
+        assert torch.equal(r, torch.cat([t.reshape(-1) for t in ts]))
+    if kept is None:
+        assert again[0].data_ptr() == ptr, "a dead result's buffer was not reused"
+    else:
+        assert ptr not in {r.data_ptr() for r in again}, f"a buffer still held by a {kind} was refilled"
+        held = torch.as_tensor(kept) if kind != "storage" else torch.empty(0).set_(kept, 0, (n,))
+        assert torch.equal(held.reshape(-1), expected[5:9] if kind == "view" else expected)
+
+
+def test_small_flatten_results_are_not_kept():
+    from fastpar import _alloc
+
+    _alloc.RESULTS.clear()
+    n = _alloc._REUSE_MIN_BYTES // 4 - 1
+    r = fastpar.flatten([torch.ones(n)])
+    del r
+    assert _alloc.RESULTS._bytes == 0 and not any(_alloc.RESULTS._slots.values())
+
+
 @pytest.mark.parametrize("make", [lambda: torch.zeros(3, requires_grad=True),
                                   lambda: torch.ones(3, requires_grad=True) * 2], ids=["leaf", "non-leaf"])
 def test_flatten_out_requiring_grad_is_refused_with_grad_on(make):
