@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch.autograd.graph import increment_version
+from torch.overrides import handle_torch_function, has_torch_function
 
 from . import _alloc, _dispatch, _tuning
 from ._fastcheck import increment_versions
@@ -48,6 +49,26 @@ def _empty_list(tensors) -> bool:
     """``tensors`` is an empty list or tuple: nothing to unflatten (``flatten`` still
     refuses one, as torch does, having no dtype or device to give its result)."""
     return isinstance(tensors, (list, tuple)) and not tensors
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _overriding(plan, *others) -> tuple:
+    """The arguments (of ``plan.tensors`` and ``others``) whose class overrides
+    ``__torch_function__``, where torch would hand them the call; else ``()``.
+
+    torch's ``_flatten_dense_tensors`` / ``_unflatten_dense_tensors`` are overridable,
+    so a subclass gets its results as its own class (or does what its override says):
+    without this, the kernels read its data and returned plain tensors. The subclassed
+    members are found once per plan (a cached plan holds the same objects), so plain
+    lists pay nothing per call."""
+    subs = plan.__dict__.get("_subclassed")
+    if subs is None:
+        subs = plan.__dict__["_subclassed"] = tuple(t for t in plan.tensors if type(t) not in _PLAIN)
+    args = subs + tuple(o for o in others if isinstance(o, torch.Tensor) and type(o) not in _PLAIN)
+    # (False inside an override's own call, where torch functions are disabled.)
+    return args if args and has_torch_function(args) else ()
 
 
 def flatten(tensors, *, dtype=None, scale=None, out=None):
@@ -104,8 +125,16 @@ def flatten(tensors, *, dtype=None, scale=None, out=None):
     dtype (a Triton pointer type is fixed at compile time). Non-contiguous inputs are
     first made contiguous (one extra copy each). Like ``torch.nn.parallel.comm``, the
     result does not record autograd history.
+
+    A tensor subclass that overrides ``__torch_function__`` (among ``tensors``, or as
+    ``out`` or ``scale``) gets the call as ``fastpar.flatten``, as torch's
+    ``_flatten_dense_tensors`` hands it over: with the default override the result is
+    of its class, as torch's is.
     """
     plan = plan_for(tensors, "tensors")
+    overriding = _overriding(plan, out, scale)
+    if overriding:
+        return handle_torch_function(flatten, overriding, tensors, dtype=dtype, scale=scale, out=out)
     if dtype is None:
         if len(plan.groups) > 1:
             d0 = plan.dtypes[0]
@@ -153,12 +182,19 @@ def unflatten(flat, tensors):
         >>> flat = fastpar.flatten(grads)
         >>> views = fastpar.unflatten(flat, grads)  # views[i] has grads[i]'s shape
 
-    An empty ``tensors`` gives ``()``, as in torch (``flat`` must then be empty).
+    An empty ``tensors`` gives ``()``, as in torch (``flat`` must then be empty). A
+    tensor subclass that overrides ``__torch_function__`` (``flat`` or among
+    ``tensors``) gets the call as ``fastpar.unflatten``, as torch's
+    ``_unflatten_dense_tensors`` hands it over (the default override returns views of
+    its class).
     """
     if _empty_list(tensors):
         check_flat(flat, "flat", numel=0, dtype=None, device=None)
         return ()
     plan = plan_for(tensors, "tensors")
+    overriding = _overriding(plan, flat)
+    if overriding:
+        return handle_torch_function(unflatten, overriding, flat, tensors)
     check_flat(flat, "flat", numel=plan.numel, dtype=None, device=None)
     memo = plan.__dict__.get("_split")
     if memo is None:  # sizes and the non-1-D positions, made once per plan

@@ -2206,3 +2206,54 @@ def test_quantized_tensors_are_refused_before_writing():
     with pytest.raises(TypeError, match=r"unflatten_into: quantized tensors"):
         fastpar.unflatten_into(q.int_repr().view(torch.qint8), [dst])
     assert torch.equal(dst.int_repr(), before)
+
+
+class _Recording(torch.Tensor):
+    """A tensor subclass with the default ``__torch_function__``, recording what it is
+    handed (the names of fastpar's and torch's calls)."""
+
+    seen: list = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append(getattr(func, "__name__", str(func)))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_flatten_unflatten_hand_torch_function_subclasses_the_call_as_torch():
+    # torch's _flatten_dense_tensors / _unflatten_dense_tensors dispatch to a subclass's
+    # __torch_function__, so its results are of the subclass; fastpar's returned plain
+    # tensors (the kernels read the data past the override).
+    ts = [rand((3,), torch.float32).as_subclass(_Recording), rand((2, 2), torch.float32).as_subclass(_Recording)]
+    _Recording.seen = []
+    flat = fastpar.flatten(ts)
+    assert "flatten" in _Recording.seen
+    expected = torch._utils._flatten_dense_tensors(ts)
+    assert type(expected) is _Recording and type(flat) is _Recording
+    assert torch.equal(flat.as_subclass(torch.Tensor), expected.as_subclass(torch.Tensor))
+    _Recording.seen = []
+    views = fastpar.unflatten(flat.as_subclass(torch.Tensor), ts)  # subclass only among tensors
+    assert "unflatten" in _Recording.seen
+    assert [type(v) for v in views] == [type(v) for v in torch._utils._unflatten_dense_tensors(expected, ts)]
+    for v, t in zip(views, ts):
+        assert type(v) is _Recording and torch.equal(v.as_subclass(torch.Tensor), t.as_subclass(torch.Tensor))
+    # out= of the subclass, plain inputs: the call goes to the subclass too.
+    plain = [t.as_subclass(torch.Tensor) for t in ts]
+    out = torch.empty(7).as_subclass(_Recording)
+    _Recording.seen = []
+    res = fastpar.flatten(plain, out=out)
+    assert "flatten" in _Recording.seen and type(res) is _Recording
+    assert torch.equal(out.as_subclass(torch.Tensor), expected.as_subclass(torch.Tensor))
+
+
+def test_flatten_plain_tensors_and_parameters_are_not_dispatched():
+    # nn.Parameter (and its subclasses without an override) disable __torch_function__:
+    # the plain path, with plain results.
+    class MyParam(torch.nn.Parameter):
+        pass
+
+    ts = [torch.nn.Parameter(rand((3,), torch.float32)), MyParam(rand((2,), torch.float32)), rand((1,), torch.float32)]
+    flat = fastpar.flatten(ts)
+    assert type(flat) is torch.Tensor
+    assert torch.equal(flat, torch._utils._flatten_dense_tensors([t.detach() for t in ts]))
+    assert all(type(v) is torch.Tensor for v in fastpar.unflatten(flat, ts))
