@@ -21,6 +21,7 @@ from collections import OrderedDict
 
 import torch
 from torch.nn import Parameter
+from torch.nn.parameter import UninitializedTensorMixin
 from torch.nn.parallel.replicate import _replicatable_module
 
 from . import _alloc, comm, rnn
@@ -272,6 +273,15 @@ def replicate(network, devices, detach=False):
         params, buffers = list(network.parameters()), list(network.buffers())
     for kind, tensors in (("parameter", params), ("buffer", buffers)):
         for t in tensors:
+            if isinstance(t, UninitializedTensorMixin):
+                # A lazy module's before its first forward: no shape to copy (its numel
+                # raised from deep inside the flatten), and a replica's copy could never
+                # be materialized into the original. DDP refuses these too.
+                raise RuntimeError(
+                    f"replicate: network's {kind} {_member_name(network, t)!r} is uninitialized "
+                    f"({type(t).__name__}, from a lazy module such as nn.LazyLinear); run one forward "
+                    "pass of the module itself (on devices[0]) to initialize it before replicating it"
+                )
             if t.device != devs[0]:
                 name = _member_name(network, t)
                 raise RuntimeError(

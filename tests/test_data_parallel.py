@@ -743,3 +743,17 @@ def test_module_rnns_sharing_a_parameter_pack_the_first_only(monkeypatch):
     assert m.b.weight_ih_l0 is m.a.weight_ih_l0
     for n, p in m.named_parameters():
         assert torch.equal(p, before[n]), n
+
+
+def test_lazy_module_before_first_forward_is_refused_then_runs():
+    torch.manual_seed(0)
+    lazy = nn.LazyLinear(2)
+    dp = DataParallel(lazy, device_ids=["cpu", "cpu"])
+    x = torch.randn(4, 3)
+    with pytest.raises(RuntimeError, match=r"parameter 'weight' is uninitialized.*forward pass"):
+        dp(x)
+    with pytest.raises(RuntimeError, match=r"parameter 'weight' is uninitialized"):
+        data_parallel(lazy, x, device_ids=["cpu", "cpu"])
+    expected = lazy(x)  # initializes it
+    out = dp(x)
+    assert_close(out, expected)

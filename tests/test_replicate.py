@@ -1017,3 +1017,18 @@ def test_replicate_does_not_run_an_rnn_weights_parametrization(detach):
     for a, (name, b) in zip(before, sn.named_buffers()):
         assert torch.equal(a, b), f"replicate ran the parametrization: {name} changed"
     assert th  # (torch's replicas made, for the comparison above)
+
+
+def test_uninitialized_lazy_parameter_is_refused_by_name():
+    # A lazy module before its first forward has no shape to copy: the flatten's numel
+    # raised torch's generic "uninitialized parameter in numel" error from deep inside
+    # the pack; the refusal names the parameter and what to do, before any buffer.
+    net = nn.Sequential(nn.Linear(3, 4), nn.LazyLinear(2))
+    with pytest.raises(RuntimeError, match=r"parameter '1\.weight' is uninitialized.*forward pass"):
+        replicate(net, ["cpu", "cpu"])
+    assert isinstance(net[1].weight, nn.parameter.UninitializedParameter)
+    assert net not in _POOLS  # refused before any buffer was set aside
+    x = torch.randn(5, 3)
+    net(x)  # initialized on devices[0]: replicated as any module
+    for r in replicate(net, ["cpu", "cpu"]):
+        assert torch.equal(r(x), net(x))
