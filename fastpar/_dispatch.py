@@ -93,7 +93,12 @@ def _interpreted_one_at_a_time(launch):
 def _kernel(backend: str, op: str):
     module = importlib.import_module(f"{BACKENDS[backend]}.{OPS[op]}")
     launch = getattr(module, op)
-    return _interpreted_one_at_a_time(launch) if backend == "triton" else launch
+    launch = _interpreted_one_at_a_time(launch) if backend == "triton" else launch
+    # Opaque to torch.compile: dynamo can build no graph from a launch (raw addresses, a
+    # Numba or Triton call), and tracing on into the launchers' frames crashed it in its
+    # own bytecode rewriting (fastpar.gather in a compiled function). Disabled, a launch
+    # is one graph break and runs eagerly. (About 1 us a launch outside compile.)
+    return torch.compiler.disable(launch)
 
 
 @functools.cache

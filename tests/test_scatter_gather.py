@@ -617,3 +617,21 @@ def test_gather_refusals_name_the_replica(data):
     outs[j] = replace_at(outs[j], path, fn)
     with pytest.raises(exc, match=match):
         fastpar.gather(outs, "cpu", dim)
+
+
+def test_gather_inside_torch_compile_runs_the_kernels_eagerly():
+    # dynamo traced on into the kernel launchers (no graph it could build there) and, on
+    # the lock-holding launch wrapper, crashed in its own bytecode rewriting
+    # ("exception table entry start instruction has no offset"). The launchers are
+    # opaque to it: a graph break, then the eager kernels.
+    torch._dynamo.reset()
+
+    def step(a):
+        return gather([t * 2 for t in a.chunk(2)], "cpu")
+
+    a = torch.randn(4, 3, requires_grad=True)
+    out = torch.compile(step, backend="eager")(a)
+    assert_close(out, step(a))
+    out.sum().backward()
+    assert torch.equal(a.grad, torch.full_like(a, 2.0))
+    torch._dynamo.reset()
