@@ -135,6 +135,17 @@ def flatten(tensors, *, dtype=None, scale=None, out=None):
     overriding = _overriding(plan, out, scale)
     if overriding:
         return handle_torch_function(flatten, overriding, tensors, dtype=dtype, scale=scale, out=out)
+    return _flatten_planned(plan, dtype, scale, out)
+
+
+def flatten_plain(tensors, *, dtype=None, scale=None, out=None):
+    """:func:`flatten` without the ``__torch_function__`` hand-over, for fastpar's own
+    callers (``comm.gather``, the DDP hooks): a subclass gets the call of the public
+    function it made, as from torch's, not this step of it."""
+    return _flatten_planned(plan_for(tensors, "tensors"), dtype, scale, out)
+
+
+def _flatten_planned(plan, dtype, scale, out):
     if dtype is None:
         if len(plan.groups) > 1:
             d0 = plan.dtypes[0]

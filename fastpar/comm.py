@@ -40,7 +40,7 @@ import torch
 
 from . import _alloc, _cuda, _dispatch, _tuning
 from ._fastcheck import increment_versions
-from ._flatten import byte_layout, byte_views, flatten, pack_bytes, region, split_views
+from ._flatten import byte_layout, byte_views, flatten_plain, pack_bytes, region, split_views
 from ._plan import ReduceGroup, plan_for
 from ._validate import (
     CAST_DTYPES,
@@ -988,7 +988,7 @@ def gather(tensors, dim=0, destination=None, *, out=None):
         # out (its bits are not its values; flatten refuses one) takes the copies too,
         # which write such a view as torch's do; so does a quantized out (flatten
         # refuses one), which copy_ writes with out's own quantizer.
-        flatten(ts, out=out.view(-1))
+        flatten_plain(ts, out=out.view(-1))
         return out
     off = 0
     for t in ts:

@@ -39,7 +39,7 @@ from torch.autograd.graph import increment_version
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _alloc, _dispatch, _tuning
-from ._flatten import flatten, unflatten_into
+from ._flatten import flatten_plain, unflatten_into
 from ._plan import Group, plan_for, transient_tensors
 from ._validate import FLOAT_DTYPES, check_conversion
 from .kernels._launch import fork_safe_lock
@@ -650,7 +650,7 @@ def _pack(tensors: list, out: torch.Tensor) -> None:
     """``fastpar.flatten(tensors, out=out)`` without the plan cache: the tensors here are
     views made for one call, and caching their plan would pin the module's memory."""
     with transient_tensors():
-        flatten(tensors, out=out)
+        flatten_plain(tensors, out=out)
 
 
 def _unpack(flat: torch.Tensor, tensors: list) -> None:

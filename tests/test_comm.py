@@ -1982,3 +1982,25 @@ def test_buffer_size_may_be_a_numpy_integer():
     for bad in (True, np.int64(0), 1.5):
         with pytest.raises(ValueError, match=r"buffer_size must be a positive int"):
             comm.reduce_add_coalesced([ts, ts], "cpu", bad)
+
+
+class _TorchOnly(torch.Tensor):
+    """A subclass whose ``__torch_function__`` implements torch's functions only (as a
+    subclass written before fastpar existed does): fastpar's own functions are not its."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if str(getattr(func, "__module__", "")).startswith("fastpar"):
+            return NotImplemented
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_gather_does_not_hand_its_inner_flatten_to_a_subclass():
+    # comm.gather packs dim-0 inputs with fastpar's flatten; since flatten hands a
+    # __torch_function__ subclass the call, gather handed it too, and a subclass that
+    # knows only torch's functions failed with "no implementation found for
+    # 'fastpar._flatten.flatten'" (torch's gather is not overridable: plain result).
+    ts = [torch.randn(2, 3).as_subclass(_TorchOnly), torch.randn(3, 3).as_subclass(_TorchOnly)]
+    out = fastpar.comm.gather(ts, 0, "cpu")
+    expected = torch.cat([t.as_subclass(torch.Tensor) for t in ts])
+    assert torch.equal(out.as_subclass(torch.Tensor), expected)
