@@ -7,6 +7,7 @@ import contextvars
 import functools
 import importlib
 import inspect
+import sys
 
 import torch
 
@@ -89,16 +90,37 @@ def _interpreted_one_at_a_time(launch):
     return run
 
 
-@functools.cache
+#: ``(backend, op, opaque) -> launcher``: plain dicts, not ``functools.cache``, because
+#: dynamo traces :func:`kernel` under ``torch.compile`` and warns at every cache-wrapped
+#: function it meets. :func:`clear_launchers` empties it (tests that replace a launcher).
+_LAUNCHERS: dict = {}
+
+
 def _kernel(backend: str, op: str):
-    module = importlib.import_module(f"{BACKENDS[backend]}.{OPS[op]}")
-    launch = getattr(module, op)
-    launch = _interpreted_one_at_a_time(launch) if backend == "triton" else launch
-    # Opaque to torch.compile: dynamo can build no graph from a launch (raw addresses, a
-    # Numba or Triton call), and tracing on into the launchers' frames crashed it in its
-    # own bytecode rewriting (fastpar.gather in a compiled function). Disabled, a launch
-    # is one graph break and runs eagerly. (About 1 us a launch outside compile.)
-    return torch.compiler.disable(launch)
+    launch = _LAUNCHERS.get((backend, op, False))
+    if launch is None:
+        module = importlib.import_module(f"{BACKENDS[backend]}.{OPS[op]}")
+        launch = getattr(module, op)
+        if backend == "triton":
+            launch = _interpreted_one_at_a_time(launch)
+        launch = _LAUNCHERS.setdefault((backend, op, False), launch)
+    return launch
+
+
+def _compile_opaque(backend: str, op: str):
+    """:func:`_kernel`'s launcher, opaque to ``torch.compile``: dynamo can build no
+    graph from a launch (raw addresses, a Numba or Triton call), and tracing on into the
+    launchers' frames crashed it in its own bytecode rewriting (``fastpar.gather`` in a
+    compiled function). Disabled, a launch is one graph break and runs eagerly."""
+    launch = _LAUNCHERS.get((backend, op, True))
+    if launch is None:
+        launch = _LAUNCHERS.setdefault((backend, op, True), torch.compiler.disable(_kernel(backend, op)))
+    return launch
+
+
+def clear_launchers() -> None:
+    """Forget the launchers looked up so far (the next lookup imports them again)."""
+    _LAUNCHERS.clear()
 
 
 @functools.cache
@@ -124,6 +146,11 @@ def kernel(op: str, device: torch.device):
     backend = backend_for(device)
     if device.type == "cuda" and backend == "triton":
         _cuda.refuse_capture(op, device)
+    # Only once dynamo is loaded (torch.compile imports it before tracing anything) is
+    # the disabled launcher handed out: importing dynamo takes ~2 s, and its wrapper
+    # costs ~1 us a launch, which eager-only programs need not pay.
+    if "torch._dynamo" in sys.modules:
+        return backend, _compile_opaque(backend, op)
     return backend, _kernel(backend, op)
 
 

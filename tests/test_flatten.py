@@ -2166,7 +2166,7 @@ def test_triton_interpreter_launches_never_overlap(monkeypatch):
             inside.clear()
 
     monkeypatch.setattr(triton_flatten, "flatten", slow)
-    _dispatch._kernel.cache_clear()
+    _dispatch.clear_launchers()
     try:
         ts = [torch.randn(100) for _ in range(3)]
         results = [None, None]
@@ -2184,7 +2184,7 @@ def test_triton_interpreter_launches_never_overlap(monkeypatch):
         for t in threads:
             t.join(60)
     finally:
-        _dispatch._kernel.cache_clear()
+        _dispatch.clear_launchers()
     assert not overlapped, "two interpreted launches ran at once"
     assert all(r is not None and torch.equal(r, torch.cat(ts)) for r in results)
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -617,6 +619,26 @@ def test_gather_refusals_name_the_replica(data):
     outs[j] = replace_at(outs[j], path, fn)
     with pytest.raises(exc, match=match):
         fastpar.gather(outs, "cpu", dim)
+
+
+def test_eager_use_neither_imports_dynamo_nor_wraps_the_launchers():
+    # The compile-opaque launchers are handed out only once dynamo is loaded: importing
+    # it costs ~2 s at the first launch, and its wrapper ~1 us a launch.
+    code = (
+        "import sys, torch, fastpar\n"
+        "from fastpar import _dispatch, comm\n"
+        "fastpar.flatten([torch.ones(3), torch.ones(2, 2)])\n"
+        "comm.reduce_add_coalesced([[torch.ones(3)], [torch.ones(3)]], 'cpu')\n"
+        "m = fastpar.DataParallel(torch.nn.Linear(3, 3), device_ids=['cpu', 'cpu'])\n"
+        "m(torch.ones(4, 3)).sum().backward()\n"
+        "assert 'torch._dynamo' not in sys.modules, 'eager fastpar imported torch._dynamo'\n"
+        "assert not any(opaque for _, _, opaque in _dispatch._LAUNCHERS)\n"
+        "import torch._dynamo\n"
+        "backend, launch = _dispatch.kernel('flatten', torch.device('cpu'))\n"
+        "assert launch is _dispatch._compile_opaque(backend, 'flatten') and launch is not _dispatch._kernel(backend, 'flatten')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
 
 
 def test_gather_inside_torch_compile_runs_the_kernels_eagerly():
