@@ -377,6 +377,39 @@ def _value(fut):
     return fut.value()[0]
 
 
+#: hook body -> the same body under ``torch.compiler.disable`` (made at first need, so
+#: that eager programs neither import dynamo nor pay its wrapper).
+_OPAQUE: dict = {}
+
+
+def _opaque(body):
+    """``body``, opaque to ``torch.compile``.
+
+    When ``backward()`` runs inside a compiled function, dynamo traces every Python frame
+    autograd calls, DDP's comm hook among them. Traced, a hook's body went through the
+    bound Numba launches (which bypass :func:`fastpar._dispatch.kernel` and its disabled
+    launchers), warned at the builtins and caches it met, and left half-built
+    ``StorageWeakRef`` objects whose ``__del__`` raised. A hook returns a future the
+    reducer waits on: there is no graph to build from it, so it runs eagerly whole."""
+    fn = _OPAQUE.get(body)
+    if fn is None:
+        fn = _OPAQUE.setdefault(body, torch.compiler.disable(body))
+    return fn
+
+
+def _buffer_of(bucket, who: str) -> torch.Tensor:
+    """The bucket's buffer; ``TypeError`` for the ``(grad, param)`` tuple DDP's Python
+    reducer hands hooks (told apart as torch's compress hooks tell it)."""
+    if isinstance(bucket, tuple):
+        raise TypeError(
+            f"{who}: bucket must be a torch.distributed.GradBucket, got {type(bucket).__name__}. "
+            "DDP built under torch._dynamo.config.optimize_ddp='python_reducer' calls comm hooks "
+            "per parameter with a (grad, param) tuple, inside compiled autograd, which fastpar's "
+            "hooks do not support: use torch's hooks there, or optimize_ddp=True/False"
+        )
+    return bucket.buffer()
+
+
 def allreduce_hook(process_group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     r"""Average the gradient bucket across the process group with one ``all_reduce``.
 
@@ -417,8 +450,14 @@ def allreduce_hook(process_group, bucket: dist.GradBucket) -> torch.futures.Futu
         >>> # xdoctest: +SKIP
         >>> fastpar.ddp.register(ddp_model, fastpar.ddp.allreduce_hook)
     """
+    if torch.compiler.is_compiling():
+        return _opaque(_allreduce)(process_group, bucket)
+    return _allreduce(process_group, bucket)
+
+
+def _allreduce(process_group, bucket):
     group = _group_of(process_group, "process_group")
-    buf = bucket.buffer()
+    buf = _buffer_of(bucket, "allreduce_hook")
     _check_once(group, buf, buf.dtype, "allreduce_hook")
     n = group.size()
     if n > 1:
@@ -462,9 +501,11 @@ def compress_hook(dtype: torch.dtype = torch.bfloat16):
       and NCCL, though gloo reduces bfloat16).
 
     The kept buffers cost ``dtype.itemsize / 4`` of the float32 gradient memory for as
-    long as DDP keeps its buckets (torch's hooks allocate as much at every step). The hook
-    calls fastpar's kernels directly, so it is for eager DDP, not for a backward traced
-    by compiled autograd (use torch's hooks there).
+    long as DDP keeps its buckets (torch's hooks allocate as much at every step). Under
+    ``torch.compile`` (a backward run inside a compiled function) the hook runs eagerly,
+    opaque to dynamo, as DDP's C++ reducer calls it; a model built under
+    ``torch._dynamo.config.optimize_ddp="python_reducer"`` (compiled autograd), which
+    calls hooks per parameter, is refused: use torch's hooks there.
 
     Args:
         dtype (torch.dtype): the dtype gradients travel and are summed in: ``torch.bfloat16``
@@ -501,8 +542,13 @@ def _make_compress_hook(dtype: torch.dtype):
     who = f"compress_hook({short})"
 
     def hook(process_group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        if torch.compiler.is_compiling():
+            return _opaque(compress)(process_group, bucket)
+        return compress(process_group, bucket)
+
+    def compress(process_group, bucket):
         group = _group_of(process_group, "process_group")
-        buf = bucket.buffer()
+        buf = _buffer_of(bucket, who)
         _check_once(group, buf, dtype, who)
         entry = _buckets.get(buf)
         low = entry.low.get(dtype)
@@ -581,9 +627,10 @@ def register(ddp_model, hook, state=None) -> None:
 
     Raises:
         TypeError: ``ddp_model`` is not a DistributedDataParallel, ``hook`` is not a
-            fastpar hook, ``state`` is not a process group, or the combination of
-            gradient dtypes, hook and backend is unsupported (the message names the
-            parameter, its dtype and what would work).
+            fastpar hook, ``state`` is not a process group, ``ddp_model`` was built
+            under ``torch._dynamo.config.optimize_ddp="python_reducer"``, or the
+            combination of gradient dtypes, hook and backend is unsupported (the message
+            names the parameter, its dtype and what would work).
     """
     from torch.nn.parallel import DistributedDataParallel
 
@@ -609,6 +656,13 @@ def register(ddp_model, hook, state=None) -> None:
         )
     group = _group_of(state)
     who = _hook_name(hook)
+    if getattr(ddp_model, "_use_python_reducer", False):
+        raise TypeError(
+            f"{who}: ddp_model was built under torch._dynamo.config.optimize_ddp='python_reducer', "
+            "where DDP calls comm hooks per parameter inside compiled autograd, which fastpar's "
+            "hooks do not support; use torch's hooks there, or build the model with "
+            "optimize_ddp=True/False"
+        )
     wire = hook._fastpar_wire
     ignored = set(getattr(ddp_model, "parameters_to_ignore", ()) or ())
     sparse = {

@@ -609,6 +609,101 @@ def test_world_of_one_values_are_exact(one_rank, hook, ddp_kw):
             assert torch.equal(got, exp), f"{name}: gradient differs"
 
 
+def _compiled_step_grads(hook, backend, steps=3):
+    """Gradients of a DDP model with ``hook`` whose forward *and* backward run inside a
+    ``torch.compile``d step (so dynamo meets the hook the reducer calls), with the
+    Python warnings and unraisable exceptions raised meanwhile."""
+    import sys
+
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = Net()
+    model = DDP(net)
+    fddp.register(model, hook)
+
+    def step(x):
+        model(x).square().sum().backward()
+
+    if backend is not None:
+        step = torch.compile(step, backend=backend)
+    unraisable, old_hook = [], sys.unraisablehook
+    sys.unraisablehook = unraisable.append
+    grads = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.manual_seed(1)
+            for _ in range(steps):
+                net.zero_grad()
+                step(torch.randn(8, 16))
+                grads.append([p.grad.clone() for p in net.parameters()])
+            import gc
+
+            gc.collect()  # what dynamo built and dropped while tracing is freed here
+    finally:
+        sys.unraisablehook = old_hook
+        torch._dynamo.reset()
+    return grads, [str(w.message) for w in caught], [repr(u.exc_value) for u in unraisable]
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("wire", [torch.float16, torch.bfloat16], ids=str)
+def test_compress_hook_under_a_compiled_backward(one_rank, wire, backend):
+    # backward() inside a compiled function: dynamo traces every frame autograd calls,
+    # the hook DDP's reducer calls among them. It went through the hook body and the
+    # bound Numba passes (which bypass the disabled launchers), warning at
+    # `_bisect.bisect_left`, `copy_context` and an lru_cache in the kernels, and left
+    # half-built StorageWeakRef objects whose __del__ raised. The hook runs eagerly whole.
+    hook = fddp.compress_hook(wire)
+    eager, _, _ = _compiled_step_grads(hook, None)
+    grads, caught, unraisable = _compiled_step_grads(hook, backend)
+    assert not [w for w in caught if "ynamo" in w], caught
+    assert not unraisable, unraisable
+    for got, exp in zip(grads, eager):
+        for g, e in zip(got, exp):
+            assert torch.equal(g, e)
+    # the hook did run: the compiled gradients are rounded to the wire dtype
+    assert all(torch.equal(g, g.to(wire).float()) for g in grads[-1])
+
+
+@pytest.mark.parametrize("hook", ["allreduce", torch.bfloat16])
+def test_hooks_refuse_the_python_reducers_tuples(hook):
+    # DDP built under optimize_ddp="python_reducer" calls hooks with (grad, param): a
+    # bare AttributeError ("'tuple' object has no attribute 'buffer'") came out before.
+    h = fddp.allreduce_hook if hook == "allreduce" else fddp.compress_hook(hook)
+    p = nn.Parameter(torch.ones(3))
+    with pytest.raises(TypeError, match=r"bucket must be a torch.distributed.GradBucket, got tuple.*python_reducer"):
+        h(None, (torch.ones(3), p))
+
+
+def test_register_refuses_a_python_reducer_model():
+    # In a subprocess: building DDP under python_reducer changes global dynamo/inductor
+    # settings (torch.nn.parallel.distributed inlined, DDP fusion passes on).
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, torch.distributed as dist, torch._dynamo\n"
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "import fastpar.ddp as fddp\n"
+        "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "with torch._dynamo.config.patch(optimize_ddp='python_reducer'):\n"
+        "    model = DDP(torch.nn.Linear(3, 3))\n"
+        "try:\n"
+        "    fddp.register(model, fddp.bf16_compress_hook)\n"
+        "except TypeError as e:\n"
+        "    assert 'python_reducer' in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('registered on a python_reducer model')\n"
+        "assert not model._comm_hooks\n"
+        "dist.destroy_process_group()\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 def test_compress_hook_factory():
     assert fddp.compress_hook() is fddp.bf16_compress_hook
     assert fddp.compress_hook(torch.float16) is fddp.fp16_compress_hook
