@@ -383,7 +383,7 @@ _OPAQUE: dict = {}
 
 
 def _opaque(body):
-    """``body``, opaque to ``torch.compile``.
+    """``body`` (a comm hook's body, :func:`sync_params`), opaque to ``torch.compile``.
 
     When ``backward()`` runs inside a compiled function, dynamo traces every Python frame
     autograd calls, DDP's comm hook among them. Traced, a hook's body went through the
@@ -767,7 +767,8 @@ def sync_params(module, src: int = 0, process_group=None) -> None:
     Must be called by every rank of the group; on a rank outside it (``new_group`` gave
     it ``GroupMember.NON_GROUP_MEMBER``) it warns and returns, as torch's collectives
     do. Writes bypass autograd, like
-    ``torch.no_grad()``, and bump the tensors' version counters.
+    ``torch.no_grad()``, and bump the tensors' version counters. Inside a
+    ``torch.compile``\ d function the call is a graph break and runs eagerly.
 
     Args:
         module (nn.Module): the replica; ``module.parameters()`` and ``module.buffers()``
@@ -783,6 +784,11 @@ def sync_params(module, src: int = 0, process_group=None) -> None:
             initialized, or the group has no backend for a device the module's tensors
             are on (CPU buffers on an NCCL group), before any collective.
     """
+    if torch.compiler.is_compiling():
+        # Called inside a compiled function, dynamo traced on through the packing, the
+        # checksum and the collectives, warning at each builtin it met (zlib.crc32, ...),
+        # with no graph to build from any of it: the whole call runs eagerly instead.
+        return _opaque(sync_params)(module, src, process_group)
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     if isinstance(src, bool) or not isinstance(src, int):

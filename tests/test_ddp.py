@@ -851,6 +851,32 @@ def test_sync_params_argument_errors(one_rank):
     assert _unchanged(m, before)
 
 
+def test_sync_params_inside_a_compiled_function(one_rank):
+    # dynamo traced on through sync_params' packing, checksum and collectives, warning at
+    # each builtin (zlib.crc32, ...): the call is a graph break and runs eagerly.
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = Net()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+
+    def f(x):
+        fddp.sync_params(net)
+        return net(x)
+
+    x = torch.randn(2, 16)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = torch.compile(f, backend="eager")(x)
+    finally:
+        torch._dynamo.reset()
+    assert not [str(w.message) for w in caught if "ynamo" in str(w.message)], [str(w.message) for w in caught]
+    assert torch.equal(got, net(x))
+    assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
+
+
 def test_sync_params_refuses_a_device_the_group_has_no_backend_for(one_rank, monkeypatch):
     # CPU tensors on an NCCL group (simulated; "cuda:nccl" is what init_process_group("nccl")
     # configures): torch raised in that device's broadcast, after the other devices'
