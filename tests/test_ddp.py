@@ -534,6 +534,53 @@ def test_sync_params_on_a_rank_outside_the_group_does_nothing(synced):
     assert synced[0]["subgroup_src_unchanged"]
 
 
+def _compiled_worker(rank):
+    """Per hook: gradients of eager steps and of steps whose forward and backward run in
+    a function compiled with ``torch.compile``, and the dynamo warnings raised meanwhile."""
+    import torch._dynamo
+
+    out = {}
+    for name, hook in [("allreduce", fddp.allreduce_hook), ("bf16", fddp.bf16_compress_hook)]:
+        for backend in [None, "aot_eager"]:
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            net = Net()
+            model = DDP(net)
+            fddp.register(model, hook)
+
+            def step(x):
+                model(x).square().sum().backward()
+
+            run = step if backend is None else torch.compile(step, backend=backend)
+            torch.manual_seed(1 + rank)
+            grads = []
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for _ in range(3):
+                    net.zero_grad()
+                    run(torch.randn(8, 16))
+                    grads.append([p.grad.clone() for p in net.parameters()])
+            out[name, backend] = (grads, [str(w.message)[:300] for w in caught if "ynamo" in str(w.message)])
+    torch._dynamo.reset()
+    return out
+
+
+def test_two_ranks_under_a_compiled_backward():
+    # The hooks dynamo meets when backward() runs in a compiled step (DDP's C++ reducer
+    # calls them) run eagerly whole: on two ranks, where allreduce_hook's scale pass
+    # launches too, the compiled steps give the eager steps' gradients, warning-free.
+    results = run_ranks(_compiled_worker)
+    for rank, out in enumerate(results):
+        for name in ["allreduce", "bf16"]:
+            eager, _ = out[name, None]
+            grads, caught = out[name, "aot_eager"]
+            assert not caught, (rank, name, caught)
+            for got, exp in zip(grads, eager):
+                assert all(torch.equal(g, e) for g, e in zip(got, exp)), (rank, name)
+    for name in ["allreduce", "bf16"]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0][name, "aot_eager"][0][-1], results[1][name, "aot_eager"][0][-1]))
+
+
 def _failing_worker(rank):
     """Rank 1's hook raises at step 2 while rank 0 waits in its all-reduce."""
     torch.manual_seed(0)
