@@ -768,7 +768,7 @@ def sync_params(module, src: int = 0, process_group=None) -> None:
     it ``GroupMember.NON_GROUP_MEMBER``) it warns and returns, as torch's collectives
     do. Writes bypass autograd, like
     ``torch.no_grad()``, and bump the tensors' version counters. Inside a
-    ``torch.compile``\ d function the call is a graph break and runs eagerly.
+    function compiled with ``torch.compile`` the call is a graph break and runs eagerly.
 
     Args:
         module (nn.Module): the replica; ``module.parameters()`` and ``module.buffers()``
