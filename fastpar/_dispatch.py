@@ -90,7 +90,8 @@ def _interpreted_one_at_a_time(launch):
     return run
 
 
-#: ``(backend, op, opaque) -> launcher``: plain dicts, not ``functools.cache``, because
+#: ``(backend, op, False) -> launcher`` and ``(backend, op, True) -> (launcher, its
+#: compile-opaque wrapper)``: plain dicts, not ``functools.cache``, because
 #: dynamo traces :func:`kernel` under ``torch.compile`` and warns at every cache-wrapped
 #: function it meets. :func:`clear_launchers` empties it (tests that replace a launcher).
 _LAUNCHERS: dict = {}
@@ -112,10 +113,14 @@ def _compile_opaque(backend: str, op: str):
     graph from a launch (raw addresses, a Numba or Triton call), and tracing on into the
     launchers' frames crashed it in its own bytecode rewriting (``fastpar.gather`` in a
     compiled function). Disabled, a launch is one graph break and runs eagerly."""
-    launch = _LAUNCHERS.get((backend, op, True))
-    if launch is None:
-        launch = _LAUNCHERS.setdefault((backend, op, True), torch.compiler.disable(_kernel(backend, op)))
-    return launch
+    launch = _kernel(backend, op)
+    hit = _LAUNCHERS.get((backend, op, True))
+    # Kept with the launcher it wraps, and wrapped anew when _kernel gives another one
+    # (a test that replaced it): else, once dynamo was loaded, kernel() kept handing out
+    # the wrapper of the launcher it first saw, and the replacement never ran.
+    if hit is None or hit[0] is not launch:
+        hit = _LAUNCHERS[(backend, op, True)] = (launch, torch.compiler.disable(launch))
+    return hit[1]
 
 
 def clear_launchers() -> None:

@@ -2257,3 +2257,27 @@ def test_flatten_plain_tensors_and_parameters_are_not_dispatched():
     assert type(flat) is torch.Tensor
     assert torch.equal(flat, torch._utils._flatten_dense_tensors([t.detach() for t in ts]))
     assert all(type(v) is torch.Tensor for v in fastpar.unflatten(flat, ts))
+
+
+def test_kernel_hands_out_a_replaced_launcher_once_dynamo_is_loaded(monkeypatch):
+    # Once dynamo is loaded, kernel() hands out torch.compiler.disable'd launchers. They
+    # were cached by (backend, op) alone: a launcher replaced in _dispatch._kernel after
+    # the first lookup (test_autotune's wrong-values candidate) was never run, so that
+    # test failed whenever a compile test had run before it in the same process.
+    import torch._dynamo  # noqa: F401  (kernel() now hands out the opaque launchers)
+
+    from fastpar import _dispatch
+
+    ts = [rand((5, 3), torch.float32), rand((7,), torch.float32)]
+    expected = torch.cat([t.reshape(-1) for t in ts])
+    assert_close(fastpar.flatten(ts), expected, what="before the replacement")  # caches the opaque launcher
+    real_kernel = _dispatch._kernel
+    seen = []
+
+    def spy(group, out, scale, **kw):
+        seen.append(out.numel())
+        return real_kernel(_dispatch.backend_for("cpu"), "flatten")(group, out, scale, **kw)
+
+    monkeypatch.setattr(_dispatch, "_kernel", lambda backend, op: spy if op == "flatten" else real_kernel(backend, op))
+    assert_close(fastpar.flatten(ts), expected, what="through the replaced launcher")
+    assert seen == [22], f"the replaced flatten launcher ran for {seen}, expected once for the 22 elements"
