@@ -531,3 +531,18 @@ def test_idle_buffer_on_cuda_is_idle_when_unreferenced():
     assert not slot.idle()
     del view
     assert slot.idle()
+
+
+def test_readme_limits_name_every_reused_result_buffer_and_the_threshold():
+    # The README's limits said the reused host results were reduce_add_coalesced's "of
+    # 4 MiB or more" after flatten's results joined the cache and the threshold fell to
+    # _REUSE_MIN_BYTES: a reader keeping a StorageWeakRef to a flatten result was not
+    # told it may be refilled. The bullet names both ops and the threshold in force.
+    import pathlib
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    bullet = readme[readme.index("* Buffers fastpar reuses"):]
+    bullet = bullet[: bullet.index("\n* ")]
+    assert f"{_alloc._REUSE_MIN_BYTES >> 20} MiB or more" in bullet, bullet
+    assert "`flatten` without `out=`" in bullet and "`reduce_add_coalesced`" in bullet, bullet
+
