@@ -52,6 +52,7 @@ def _empty_list(tensors) -> bool:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_mode_enabled = torch._C._is_torch_function_mode_enabled
 
 
 def _overriding(plan, *others) -> tuple:
@@ -69,6 +70,12 @@ def _overriding(plan, *others) -> tuple:
     args = subs + tuple(o for o in others if isinstance(o, torch.Tensor) and type(o) not in _PLAIN)
     # (False inside an override's own call, where torch functions are disabled.)
     return args if args and has_torch_function(args) else ()
+
+
+def _relevant(tensors, *others) -> tuple:
+    """The arguments torch would look at for an override: the list's items and others."""
+    items = tuple(tensors) if isinstance(tensors, (list, tuple)) else (tensors,)
+    return items + others
 
 
 def flatten(tensors, *, dtype=None, scale=None, out=None):
@@ -129,8 +136,12 @@ def flatten(tensors, *, dtype=None, scale=None, out=None):
     A tensor subclass that overrides ``__torch_function__`` (among ``tensors``, or as
     ``out`` or ``scale``) gets the call as ``fastpar.flatten``, as torch's
     ``_flatten_dense_tensors`` hands it over: with the default override the result is
-    of its class, as torch's is.
+    of its class, as torch's is. So does an active ``TorchFunctionMode``.
     """
+    if _mode_enabled():
+        # An active TorchFunctionMode gets the call first, for plain tensors too, as from
+        # torch's: without this it saw fastpar's internal tensor reads instead of one call.
+        return handle_torch_function(flatten, _relevant(tensors, out, scale), tensors, dtype=dtype, scale=scale, out=out)
     plan = plan_for(tensors, "tensors")
     overriding = _overriding(plan, out, scale)
     if overriding:
@@ -197,8 +208,10 @@ def unflatten(flat, tensors):
     tensor subclass that overrides ``__torch_function__`` (``flat`` or among
     ``tensors``) gets the call as ``fastpar.unflatten``, as torch's
     ``_unflatten_dense_tensors`` hands it over (the default override returns views of
-    its class).
+    its class); so does an active ``TorchFunctionMode``.
     """
+    if _mode_enabled():  # (as in flatten)
+        return handle_torch_function(unflatten, _relevant(tensors, flat), flat, tensors)
     if _empty_list(tensors):
         check_flat(flat, "flat", numel=0, dtype=None, device=None)
         return ()

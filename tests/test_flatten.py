@@ -2259,6 +2259,38 @@ def test_flatten_plain_tensors_and_parameters_are_not_dispatched():
     assert all(type(v) is torch.Tensor for v in fastpar.unflatten(flat, ts))
 
 
+def test_flatten_unflatten_hand_an_active_torch_function_mode_the_call_as_torch():
+    # torch's _flatten_dense_tensors / _unflatten_dense_tensors go to an active
+    # TorchFunctionMode for plain tensors too, as one call; fastpar's did not: the mode
+    # saw only fastpar's internal tensor reads (numel, data_ptr, ...), never the call.
+    from torch.overrides import TorchFunctionMode
+
+    class Recording(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    ts = [rand((3,), torch.float32), rand((2, 2), torch.float32)]
+    with Recording() as theirs:
+        expected = torch._utils._flatten_dense_tensors(ts)
+        expected_views = torch._utils._unflatten_dense_tensors(expected, ts)
+    assert len(theirs.seen) == 2  # (torch's: one call each)
+    with Recording() as mode:
+        flat = fastpar.flatten(ts)
+    assert mode.seen == [fastpar.flatten], mode.seen
+    assert torch.equal(flat, expected)
+    with Recording() as mode:
+        views = fastpar.unflatten(flat, ts)
+    assert mode.seen == [fastpar.unflatten], mode.seen
+    assert all(torch.equal(v, e) for v, e in zip(views, expected_views))
+    # Bad input is still refused by name once the mode hands the call back.
+    with Recording(), pytest.raises(TypeError, match="tensors"):
+        fastpar.flatten(ts[0])
+
 def test_kernel_hands_out_a_replaced_launcher_once_dynamo_is_loaded(monkeypatch):
     # Once dynamo is loaded, kernel() hands out torch.compiler.disable'd launchers. They
     # were cached by (backend, op) alone: a launcher replaced in _dispatch._kernel after
