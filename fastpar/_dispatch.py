@@ -123,6 +123,22 @@ def _compile_opaque(backend: str, op: str):
     return hit[1]
 
 
+#: function -> the same function under ``torch.compiler.disable`` (made at first need,
+#: so that eager programs neither import dynamo nor pay its wrapper).
+_OPAQUE: dict = {}
+
+
+def opaque_to_compile(fn):
+    """``fn`` under ``torch.compiler.disable``, for entry points that are called with
+    ``torch.compiler.is_compiling()`` true and have no graph to give dynamo (they build
+    modules, futures or views at raw byte offsets): traced, they warned or failed in
+    dynamo's own machinery; opaque, each call is one graph break and runs eagerly."""
+    hit = _OPAQUE.get(fn)
+    if hit is None:
+        hit = _OPAQUE.setdefault(fn, torch.compiler.disable(fn))
+    return hit
+
+
 def clear_launchers() -> None:
     """Forget the launchers looked up so far (the next lookup imports them again)."""
     _LAUNCHERS.clear()

@@ -315,6 +315,8 @@ def broadcast_coalesced(tensors, devices, buffer_size=_DEFAULT_BUFFER):
         A list with one list of tensors per device; ``result[0]`` holds ``tensors``
         themselves. The copies do not require grad.
     """
+    if torch.compiler.is_compiling():  # (see replicate: views at byte offsets, no graph)
+        return _dispatch.opaque_to_compile(broadcast_coalesced)(tensors, devices, buffer_size)
     devs = _devices(devices, "devices")
     _check_buffer_size(buffer_size)
     tensors = _sequence(tensors)  # any iterable, as torch's takes (a generator)

@@ -377,13 +377,9 @@ def _value(fut):
     return fut.value()[0]
 
 
-#: hook body -> the same body under ``torch.compiler.disable`` (made at first need, so
-#: that eager programs neither import dynamo nor pay its wrapper).
-_OPAQUE: dict = {}
-
-
 def _opaque(body):
-    """``body`` (a comm hook's body, :func:`sync_params`), opaque to ``torch.compile``.
+    """``body`` (a comm hook's body, :func:`sync_params`), opaque to ``torch.compile``
+    (:func:`fastpar._dispatch.opaque_to_compile`).
 
     When ``backward()`` runs inside a compiled function, dynamo traces every Python frame
     autograd calls, DDP's comm hook among them. Traced, a hook's body went through the
@@ -391,10 +387,7 @@ def _opaque(body):
     launchers), warned at the builtins and caches it met, and left half-built
     ``StorageWeakRef`` objects whose ``__del__`` raised. A hook returns a future the
     reducer waits on: there is no graph to build from it, so it runs eagerly whole."""
-    fn = _OPAQUE.get(body)
-    if fn is None:
-        fn = _OPAQUE.setdefault(body, torch.compiler.disable(body))
-    return fn
+    return _dispatch.opaque_to_compile(body)
 
 
 def _buffer_of(bucket, who: str) -> torch.Tensor:

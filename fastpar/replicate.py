@@ -24,7 +24,7 @@ from torch.nn import Parameter
 from torch.nn.parameter import UninitializedTensorMixin
 from torch.nn.parallel.replicate import _replicatable_module
 
-from . import _alloc, comm, rnn
+from . import _alloc, _dispatch, comm, rnn
 from ._flatten import byte_layout, byte_views, pack_bytes
 from ._functions import Broadcast
 from ._plan import plan_for
@@ -259,6 +259,11 @@ def replicate(network, devices, detach=False):
     Gradients of the replicas' parameters flow back into ``network``'s through one fused
     reduce-add launch per dtype (Broadcast's backward).
     """
+    if torch.compiler.is_compiling():
+        # Traced under aot_eager with dynamic shapes, the replicas' byte views failed in
+        # torch's alias replay ("self.size(-1) must be divisible by 4 to view Byte as
+        # Float"); replicas are modules, not a graph: the whole call runs eagerly.
+        return _dispatch.opaque_to_compile(replicate)(network, devices, detach)
     modules = list(network.modules())  # one walk of the tree serves every step below
     if any(isinstance(m, torch.jit.ScriptModule) for m in modules) and not _replicatable_module(network):
         raise RuntimeError("Cannot replicate network where python modules are children of ScriptModule")

@@ -1032,3 +1032,39 @@ def test_uninitialized_lazy_parameter_is_refused_by_name():
     net(x)  # initialized on devices[0]: replicated as any module
     for r in replicate(net, ["cpu", "cpu"]):
         assert torch.equal(r(x), net(x))
+
+
+def test_broadcast_and_replicate_run_eagerly_inside_torch_compile():
+    # After a few compiles of broadcast_coalesced (dynamo then makes sizes dynamic),
+    # replicate traced under aot_eager failed in torch's alias replay of its byte views
+    # ("self.size(-1) must be divisible by 4 to view Byte as Float"). Both run eagerly
+    # whole inside a compiled function: the copies and replicas are right, the
+    # gradients reach the source.
+    from fastpar import comm
+
+    torch._dynamo.reset()
+    try:
+        n = 1 << 19
+        ts = [torch.ones(n // 2), torch.arange(n // 2, dtype=torch.float32)]
+        bc = torch.compile(lambda xs: comm.broadcast_coalesced(xs, ["cpu", "cpu"]), backend="aot_eager")
+        for _ in range(3):
+            copies = bc(ts)
+            assert all(torch.equal(c, t) for c, t in zip(copies[1], ts))
+        net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+        x = torch.randn(3, 4)
+
+        def step(x):
+            return [m(x) for m in fastpar.replicate(net, ["cpu", "cpu"])]
+
+        outs = torch.compile(step, backend="aot_eager")(x)
+        want = net(x)
+        assert len(outs) == 2 and all(torch.allclose(o, want) for o in outs)
+        net.zero_grad()
+        sum(o.sum() for o in outs).backward()
+        got = [p.grad.clone() for p in net.parameters()]
+        net.zero_grad()
+        (2 * net(x).sum()).backward()  # two replicas' gradients, summed into the source
+        for g, p in zip(got, net.parameters()):
+            assert torch.allclose(g, p.grad)
+    finally:
+        torch._dynamo.reset()
