@@ -536,32 +536,13 @@ def test_sync_params_on_a_rank_outside_the_group_does_nothing(synced):
 
 def _compiled_worker(rank):
     """Per hook: gradients of eager steps and of steps whose forward and backward run in
-    a function compiled with ``torch.compile``, and the dynamo warnings raised meanwhile."""
-    import torch._dynamo
-
+    a function compiled with ``torch.compile``, and the dynamo warnings and unraisable
+    exceptions raised meanwhile (:func:`_compiled_step_grads`)."""
     out = {}
     for name, hook in [("allreduce", fddp.allreduce_hook), ("bf16", fddp.bf16_compress_hook)]:
         for backend in [None, "aot_eager"]:
-            torch._dynamo.reset()
-            torch.manual_seed(0)
-            net = Net()
-            model = DDP(net)
-            fddp.register(model, hook)
-
-            def step(x):
-                model(x).square().sum().backward()
-
-            run = step if backend is None else torch.compile(step, backend=backend)
-            torch.manual_seed(1 + rank)
-            grads = []
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                for _ in range(3):
-                    net.zero_grad()
-                    run(torch.randn(8, 16))
-                    grads.append([p.grad.clone() for p in net.parameters()])
-            out[name, backend] = (grads, [str(w.message)[:300] for w in caught if "ynamo" in str(w.message)])
-    torch._dynamo.reset()
+            grads, caught, unraisable = _compiled_step_grads(hook, backend, seed=1 + rank)
+            out[name, backend] = (grads, [w[:300] for w in caught if "ynamo" in w] + unraisable)
     return out
 
 
@@ -656,7 +637,7 @@ def test_world_of_one_values_are_exact(one_rank, hook, ddp_kw):
             assert torch.equal(got, exp), f"{name}: gradient differs"
 
 
-def _compiled_step_grads(hook, backend, steps=3):
+def _compiled_step_grads(hook, backend, steps=3, seed=1):
     """Gradients of a DDP model with ``hook`` whose forward *and* backward run inside a
     ``torch.compile``d step (so dynamo meets the hook the reducer calls), with the
     Python warnings and unraisable exceptions raised meanwhile."""
@@ -681,7 +662,7 @@ def _compiled_step_grads(hook, backend, steps=3):
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            torch.manual_seed(1)
+            torch.manual_seed(seed)  # the data; the model is made under seed 0
             for _ in range(steps):
                 net.zero_grad()
                 step(torch.randn(8, 16))
