@@ -90,21 +90,20 @@ def _interpreted_one_at_a_time(launch):
     return run
 
 
-#: ``(backend, op, False) -> launcher`` and ``(backend, op, True) -> (launcher, its
-#: compile-opaque wrapper)``: plain dicts, not ``functools.cache``, because
-#: dynamo traces :func:`kernel` under ``torch.compile`` and warns at every cache-wrapped
+#: ``(backend, op) -> launcher``: a plain dict, not ``functools.cache``, because dynamo
+#: traces :func:`kernel` under ``torch.compile`` and warns at every cache-wrapped
 #: function it meets. :func:`clear_launchers` empties it (tests that replace a launcher).
 _LAUNCHERS: dict = {}
 
 
 def _kernel(backend: str, op: str):
-    launch = _LAUNCHERS.get((backend, op, False))
+    launch = _LAUNCHERS.get((backend, op))
     if launch is None:
         module = importlib.import_module(f"{BACKENDS[backend]}.{OPS[op]}")
         launch = getattr(module, op)
         if backend == "triton":
             launch = _interpreted_one_at_a_time(launch)
-        launch = _LAUNCHERS.setdefault((backend, op, False), launch)
+        launch = _LAUNCHERS.setdefault((backend, op), launch)
     return launch
 
 
@@ -113,14 +112,10 @@ def _compile_opaque(backend: str, op: str):
     graph from a launch (raw addresses, a Numba or Triton call), and tracing on into the
     launchers' frames crashed it in its own bytecode rewriting (``fastpar.gather`` in a
     compiled function). Disabled, a launch is one graph break and runs eagerly."""
-    launch = _kernel(backend, op)
-    hit = _LAUNCHERS.get((backend, op, True))
-    # Kept with the launcher it wraps, and wrapped anew when _kernel gives another one
-    # (a test that replaced it): else, once dynamo was loaded, kernel() kept handing out
-    # the wrapper of the launcher it first saw, and the replacement never ran.
-    if hit is None or hit[0] is not launch:
-        hit = _LAUNCHERS[(backend, op, True)] = (launch, torch.compiler.disable(launch))
-    return hit[1]
+    # Wrapped per launcher object (opaque_to_compile's cache): a launcher _kernel hands
+    # out in place of another (a test that replaced it) gets its own wrapper; keyed by
+    # (backend, op), kernel() kept handing out the wrapper of the first one it saw.
+    return opaque_to_compile(_kernel(backend, op))
 
 
 #: function -> the same function under ``torch.compiler.disable`` (made at first need,
@@ -140,15 +135,23 @@ def opaque_to_compile(fn):
 
 
 def clear_launchers() -> None:
-    """Forget the launchers looked up so far (the next lookup imports them again)."""
+    """Forget the launchers looked up so far, and their compile-opaque wrappers (the next
+    lookup imports them again)."""
     _LAUNCHERS.clear()
+    _OPAQUE.clear()
+
+
+@functools.cache
+def _launcher_parameters(backend: str, op: str):
+    """``inspect.signature(...).parameters`` of ``op``'s launcher on ``backend``."""
+    return inspect.signature(_kernel(backend, op)).parameters
 
 
 @functools.cache
 def launcher_keywords(backend: str, op: str) -> dict:
     """``{name: default}`` of the keyword-only parameters with defaults of ``op``'s
     launcher on ``backend``: the launch parameters it accepts (tuned ones among them)."""
-    sig = inspect.signature(_kernel(backend, op)).parameters
+    sig = _launcher_parameters(backend, op)
     return {p: v.default for p, v in sig.items() if v.kind == v.KEYWORD_ONLY and v.default is not v.empty}
 
 
@@ -156,8 +159,7 @@ def launcher_keywords(backend: str, op: str) -> dict:
 def launcher_takes_any_keyword(backend: str, op: str) -> bool:
     """Whether ``op``'s launcher on ``backend`` has ``**kwargs`` (a wrapper standing in
     for it, say): then any keyword reaches it, and only what it passes on can tell."""
-    sig = inspect.signature(_kernel(backend, op)).parameters
-    return any(v.kind == v.VAR_KEYWORD for v in sig.values())
+    return any(v.kind == v.VAR_KEYWORD for v in _launcher_parameters(backend, op).values())
 
 
 def kernel(op: str, device: torch.device):
