@@ -368,17 +368,11 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def plot(doc: dict, path: Path) -> None:
-    """GB/s against the workload's bytes, one panel per op, one line per provider (the
-    ``copy_`` ceiling dashed); written as PNG with the Agg backend, atomically (a run
-    interrupted while plotting, which takes seconds, leaves no truncated PNG)."""
-    from .autotune import _write_atomic
-
-    _write_atomic(Path(path), render_png(doc))
-
-
 def render_png(doc: dict) -> bytes:
-    """The PNG :func:`plot` writes, as bytes."""
+    """The run's plot as PNG bytes (Agg backend): GB/s against the workload's bytes, one
+    panel per op, one line per provider (the ``copy_`` ceiling dashed). Rendered before
+    anything is written (it takes seconds), so an interrupted run leaves no file; see
+    :func:`_publish`."""
     import io
 
     import matplotlib
