@@ -47,13 +47,10 @@ def _reduce_add_kernel(
     if ALIGN > 1:
         idx = tl.max_contiguous(tl.multiple_of(idx, BLOCK), BLOCK)
     mask = idx < n
-    # -0.0, the identity of float addition (0.0 + -0.0 is +0.0: a sum of -0.0s would
-    # come out +0.0, unlike torch's and the Numba kernel's). (tl.zeros is itself @jit:
-    # see _common.Kernel.)
-    if COMPUTE == tl.int64:
-        acc = tl.full([BLOCK], 0, COMPUTE)
-    else:
-        acc = tl.full([BLOCK], -0.0, COMPUTE)
+    # The sum starts from the first source, not from a zero: 0.0 + -0.0 is +0.0, so a
+    # sum of -0.0s started at +0.0 comes out +0.0, unlike torch's and the Numba kernel's.
+    # (A -0.0 start is no way out: Triton 3.6, torch 2.11's, folds tl.full(.., -0.0, ..)
+    # to +0.0, since its scalar_constant takes any value == 0 as the null value.)
     for k in tl.static_range(K):
         a = tl.load(table + k * n_tensors + t)
         if ALIGN > 1:
@@ -61,7 +58,11 @@ def _reduce_add_kernel(
         src = a.to(tl.pointer_type(DT))
         if ALIGN > 1:
             src = tl.multiple_of(src, 16)
-        acc += tl.load(src + idx, mask=mask).to(COMPUTE)
+        x = tl.load(src + idx, mask=mask).to(COMPUTE)
+        if k == 0:
+            acc = x
+        else:
+            acc += x
     dst = dst_addr.to(tl.pointer_type(STORE))
     if ALIGN > 1:
         dst = tl.multiple_of(dst, 16)
