@@ -130,7 +130,10 @@ def opaque_to_compile(fn):
     dynamo's own machinery; opaque, each call is one graph break and runs eagerly."""
     hit = _OPAQUE.get(fn)
     if hit is None:
-        hit = _OPAQUE.setdefault(fn, torch.compiler.disable(fn))
+        # A plain store, not setdefault: dynamo traces this function in a compiled
+        # backward's DDP hook, and torch 2.11's cannot trace dict.setdefault (a graph
+        # break and a warning). Two threads missing at once make two equivalent wrappers.
+        hit = _OPAQUE[fn] = torch.compiler.disable(fn)
     return hit
 
 
