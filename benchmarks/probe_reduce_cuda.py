@@ -19,7 +19,7 @@ host's time per call (the Python side and the launch), which bounds do_bench's t
 from below once it exceeds the kernel's.
 
 Three runs on one H200 (``results/gpu/h200-reduce-probe*.json``) gave the Transformer's
-lists 40-99% with either parameter set and the LSTM's 97-103%: the spread is between
+lists 41-99% with either parameter set and the LSTM's 97-103%: the spread is between
 runs, not parameters; the host column was added after them, to test whether the
 Transformer's call (four lists of 184 tensors) is host-bound there.
 """
