@@ -1400,6 +1400,29 @@ def test_scale_beyond_float32_range_is_inf_without_a_warning(backend):
     assert torch.equal(got, x * 1e300), got
 
 
+@pytest.mark.parametrize("dst", [torch.float32, torch.float16], ids=str)
+def test_scale_by_negative_zero_keeps_the_signs_of_zero(backend, dst, request):
+    """``x * -0.0`` is -0.0 for x >= +0.0 and +0.0 for x <= -0.0, as torch's product:
+    a scale that arrives as the constant +0.0 flips every sign (the signs are compared,
+    since ``torch.equal`` takes -0.0 for +0.0)."""
+    import triton
+
+    if backend == "triton" and triton.__version__.startswith("3.6."):
+        # Not fixed yet (kernels/ops_triton/flatten.py): the interpreter hands the scale
+        # over as a Python float, and Triton 3.6's tl.full folds any value == 0 to the
+        # null value +0.0 (as the reduce's -0.0 start was). Strict: passes once fixed.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="Triton 3.6 folds tl.full(.., -0.0, ..) to +0.0"))
+    x = torch.tensor([1.0, -2.0, 0.0, -0.0, 1e-30, -1e-30])
+    want = (x * -0.0).to(dst)
+    got = fastpar.flatten([x], dtype=dst, scale=-0.0)
+    assert torch.equal(torch.signbit(got), torch.signbit(want)), f"flatten: {got.tolist()} (torch: {want.tolist()})"
+    back = [poison_(torch.empty(6))]
+    fastpar.unflatten_into(x.to(dst), back, scale=-0.0)
+    want = (x.to(dst).float() * -0.0)
+    assert torch.equal(torch.signbit(back[0]), torch.signbit(want)), f"unflatten_into: {back[0].tolist()}"
+    assert not back[0].any(), back[0]
+
+
 def _run_fork_script(script: str, *args: str, hung: str = "the test script hung") -> None:
     """Run ``script`` (which forks) in a fresh interpreter, so that this process's
     threads and OpenMP state stay out of it; fail with its stderr unless it exits 0."""
