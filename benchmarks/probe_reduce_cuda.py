@@ -34,7 +34,7 @@ import triton.testing
 
 import fastpar
 from fastpar import _tuning
-from fastpar._workloads import WORKLOADS
+from fastpar._workloads import WORKLOADS, nbytes
 
 K = 4
 PARAMS = [None, (1024, 4), (4096, 4), (4096, 8), (8192, 8)]  # None: the launcher's defaults
@@ -66,7 +66,7 @@ def main(path=None) -> None:
     for wname in WORKLOAD_NAMES:
         torch.manual_seed(0)
         ts = WORKLOADS[wname][0]("cuda")
-        nbytes = sum(t.numel() * t.element_size() for t in ts)
+        size = nbytes(ts)
         numel = sum(t.numel() for t in ts)
         for layout in LAYOUTS:
             for alloc in range(2):
@@ -80,14 +80,17 @@ def main(path=None) -> None:
                     copies = [[torch.randn(numel, device="cuda")] for _ in range(K)]
                     out = [torch.empty(numel, device="cuda")]
                 src, dst = torch.empty(numel, device="cuda"), torch.empty(numel, device="cuda")
-                copy_ms = _ms(lambda: dst.copy_(src))
+                copy_gbps = 2 * size / _ms(lambda: dst.copy_(src)) / 1e6
+
+                def reduce():
+                    fastpar.comm.reduce_add_coalesced(copies, 0, out=out)
+
                 for p in PARAMS:
                     table = {} if p is None else {("reduce_add", "triton"): {"block": p[0], "num_warps": p[1]}}
                     with _tuning.forced(table):
-                        ms = _ms(lambda: fastpar.comm.reduce_add_coalesced(copies, 0, out=out))
-                        host_us = _host_us(lambda: fastpar.comm.reduce_add_coalesced(copies, 0, out=out))
-                    gbps = (K + 1) * nbytes / ms / 1e6
-                    copy_gbps = 2 * nbytes / copy_ms / 1e6
+                        ms = _ms(reduce)
+                        host_us = _host_us(reduce)
+                    gbps = (K + 1) * size / ms / 1e6
                     rows.append(dict(workload=wname, layout=layout, alloc=alloc, params=p or "default",
                                      ms=ms, host_us=host_us, gbps=gbps, copy_gbps=copy_gbps, of_copy=gbps / copy_gbps,
                                      src_addrs=[c[0].data_ptr() % (1 << 30) for c in copies]))
