@@ -124,10 +124,9 @@ _OPAQUE: dict = {}
 
 
 def opaque_to_compile(fn):
-    """``fn`` under ``torch.compiler.disable``, for entry points that are called with
-    ``torch.compiler.is_compiling()`` true and have no graph to give dynamo (they build
-    modules, futures or views at raw byte offsets): traced, they warned or failed in
-    dynamo's own machinery; opaque, each call is one graph break and runs eagerly."""
+    """``fn`` under ``torch.compiler.disable``, made at first need and cached: the
+    launchers :func:`kernel` hands out once dynamo is loaded. (Entry points called while
+    dynamo traces use :func:`eager_entry`, made at import.)"""
     hit = _OPAQUE.get(fn)
     if hit is None:
         # A plain store, not setdefault: dynamo traces this function in a compiled
@@ -135,6 +134,22 @@ def opaque_to_compile(fn):
         # break and a warning). Two threads missing at once make two equivalent wrappers.
         hit = _OPAQUE[fn] = torch.compiler.disable(fn)
     return hit
+
+
+def eager_entry(fn):
+    """``fn`` for the calls it receives while dynamo traces (``torch.compiler.is_compiling()``):
+    an entry point calls the result instead of going on, e.g.::
+
+        if torch.compiler.is_compiling():
+            return _flatten_eagerly(tensors, dtype=dtype, scale=scale, out=out)
+
+    dynamo does not trace the result (torch defines it in a module dynamo skips), so the
+    call is one graph break, and it runs ``fn`` eagerly whole, under
+    ``torch.compiler.disable``. ``torch._disable_dynamo`` makes it at import without
+    importing dynamo (it does that at the first call). The wrapper must exist before
+    tracing: made by :func:`opaque_to_compile` while dynamo traced the caller, it cost
+    two more graph breaks at the first call of each op and guards on its cache."""
+    return torch._disable_dynamo(fn)
 
 
 def clear_launchers() -> None:

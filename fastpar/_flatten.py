@@ -138,6 +138,11 @@ def flatten(tensors, *, dtype=None, scale=None, out=None):
     ``_flatten_dense_tensors`` hands it over: with the default override the result is
     of its class, as torch's is. So does an active ``TorchFunctionMode``.
     """
+    if torch.compiler.is_compiling():
+        # Traced, dynamo went on into the plan building, the compiled check and the
+        # first use's calibration (dozens of graph breaks and graphs, and warnings) with
+        # no graph to build from them: the whole call runs eagerly, one graph break.
+        return _flatten_eagerly(tensors, dtype=dtype, scale=scale, out=out)
     if _mode_enabled():
         # An active TorchFunctionMode gets the call first, for plain tensors too, as from
         # torch's: without this it saw fastpar's internal tensor reads instead of one call.
@@ -210,6 +215,8 @@ def unflatten(flat, tensors):
     ``_unflatten_dense_tensors`` hands it over (the default override returns views of
     its class); so does an active ``TorchFunctionMode``.
     """
+    if torch.compiler.is_compiling():  # (as in flatten)
+        return _unflatten_eagerly(flat, tensors)
     if _mode_enabled():  # (as in flatten)
         return handle_torch_function(unflatten, _relevant(tensors, flat), flat, tensors)
     if _empty_list(tensors):
@@ -261,6 +268,8 @@ def unflatten_into(flat, tensors, *, scale=None) -> None:
     counters so autograd still detects the modification of a saved tensor. An empty
     ``tensors`` writes nothing (``flat`` must then be empty).
     """
+    if torch.compiler.is_compiling():  # (as in flatten)
+        return _unflatten_into_eagerly(flat, tensors, scale=scale)
     if _empty_list(tensors):
         check_flat(flat, "flat", numel=0, dtype=None, device=None)
         check_scale(scale)
@@ -296,6 +305,12 @@ def unflatten_into(flat, tensors, *, scale=None) -> None:
             # bumps dst's version, once, as for every other tensor (dst.copy_ bumped it too).
             dst.data.copy_(tmp)
     increment_versions(plan.tensors, plan.impls)
+
+
+# What the ops above run when called while dynamo traces (see _dispatch.eager_entry).
+_flatten_eagerly = _dispatch.eager_entry(flatten)
+_unflatten_eagerly = _dispatch.eager_entry(unflatten)
+_unflatten_into_eagerly = _dispatch.eager_entry(unflatten_into)
 
 
 # ---------------------------------------------------------------------------

@@ -184,6 +184,8 @@ def broadcast(tensor, devices=None, *, out=None):
     Returns:
         a tuple with one tensor per device (or ``out``).
     """
+    if torch.compiler.is_compiling():  # (see _dispatch.eager_entry)
+        return _broadcast_eagerly(tensor, devices, out=out)
     _check_tensor(tensor, "tensor")
     if (devices is None) == (out is None):
         raise RuntimeError(
@@ -316,7 +318,7 @@ def broadcast_coalesced(tensors, devices, buffer_size=_DEFAULT_BUFFER):
         themselves. The copies do not require grad.
     """
     if torch.compiler.is_compiling():  # (see replicate: views at byte offsets, no graph)
-        return _dispatch.opaque_to_compile(broadcast_coalesced)(tensors, devices, buffer_size)
+        return _broadcast_coalesced_eagerly(tensors, devices, buffer_size)
     devs = _devices(devices, "devices")
     _check_buffer_size(buffer_size)
     tensors = _sequence(tensors)  # any iterable, as torch's takes (a generator)
@@ -426,6 +428,8 @@ def reduce_add(inputs, destination=None):
         accumulated in float32 and rounded once; sparse COO inputs give a sparse sum, or a
         dense one when a dense input is among them).
     """
+    if torch.compiler.is_compiling():  # (see _dispatch.eager_entry)
+        return _reduce_add_eagerly(inputs, destination)
     if isinstance(inputs, (list, tuple)) and _has_sparse([inputs]):
         # As torch's (without NCCL): sparse COO inputs give a sparse sum, and with a
         # dense one among them, a dense sum.
@@ -503,6 +507,8 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
         follow torch: a position sparse on every device is summed with ``torch.add``
         into a sparse result, a position sparse on some devices only is densified.
     """
+    if torch.compiler.is_compiling():  # (see _dispatch.eager_entry)
+        return _reduce_add_coalesced_eagerly(inputs, destination, buffer_size, out=out)
     _check_buffer_size(buffer_size)
     inputs = _sequence(inputs)  # any iterable of per-device lists
     if isinstance(inputs, (list, tuple)) and not all(isinstance(lst, (list, tuple)) for lst in inputs):
@@ -795,6 +801,8 @@ def scatter(tensor, devices=None, chunk_sizes=None, dim=0, streams=None, *, out=
     Returns:
         a tuple of chunks, one per device (or ``out``).
     """
+    if torch.compiler.is_compiling():  # (see _dispatch.eager_entry)
+        return _scatter_eagerly(tensor, devices, chunk_sizes, dim, streams, out=out)
     _check_tensor(tensor, "tensor")
     if (devices is None) == (out is None):
         raise RuntimeError(
@@ -925,6 +933,8 @@ def gather(tensors, dim=0, destination=None, *, out=None):
     Returns:
         ``out`` if given, else a new tensor on ``destination``.
     """
+    if torch.compiler.is_compiling():  # (see _dispatch.eager_entry)
+        return _gather_eagerly(tensors, dim, destination, out=out)
     ts = list(_checked_any_device(_sequence(tensors), "tensors"))
     if all(t.dim() == 0 for t in ts):
         warnings.warn(
@@ -1024,3 +1034,12 @@ def _checked_any_device(tensors, name: str):
     for i, t in enumerate(tensors):
         _check_tensor(t, f"{name}[{i}]")
     return tensors
+
+
+# What the ops above run when called while dynamo traces (see _dispatch.eager_entry).
+_broadcast_eagerly = _dispatch.eager_entry(broadcast)
+_broadcast_coalesced_eagerly = _dispatch.eager_entry(broadcast_coalesced)
+_reduce_add_eagerly = _dispatch.eager_entry(reduce_add)
+_reduce_add_coalesced_eagerly = _dispatch.eager_entry(reduce_add_coalesced)
+_scatter_eagerly = _dispatch.eager_entry(scatter)
+_gather_eagerly = _dispatch.eager_entry(gather)

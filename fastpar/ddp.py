@@ -377,17 +377,14 @@ def _value(fut):
     return fut.value()[0]
 
 
-def _opaque(body):
-    """``body`` (a comm hook's body, :func:`sync_params`), opaque to ``torch.compile``
-    (:func:`fastpar._dispatch.opaque_to_compile`).
-
-    When ``backward()`` runs inside a compiled function, dynamo traces every Python frame
-    autograd calls, DDP's comm hook among them. Traced, a hook's body went through the
-    bound Numba launches (which bypass :func:`fastpar._dispatch.kernel` and its disabled
-    launchers), warned at the builtins and caches it met, and left half-built
-    ``StorageWeakRef`` objects whose ``__del__`` raised. A hook returns a future the
-    reducer waits on: there is no graph to build from it, so it runs eagerly whole."""
-    return _dispatch.opaque_to_compile(body)
+# When ``backward()`` runs inside a compiled function, dynamo traces every Python frame
+# autograd calls, DDP's comm hook among them. Traced, a hook's body went through the
+# bound Numba launches (which bypass fastpar._dispatch.kernel and its disabled
+# launchers), warned at the builtins and caches it met, and left half-built
+# ``StorageWeakRef`` objects whose ``__del__`` raised. A hook returns a future the
+# reducer waits on: there is no graph to build from it, so while dynamo traces, the hooks
+# and sync_params call their bodies' eager entries (_dispatch.eager_entry): one graph
+# break each, the body run eagerly whole.
 
 
 def _buffer_of(bucket, who: str) -> torch.Tensor:
@@ -443,8 +440,8 @@ def allreduce_hook(process_group, bucket: dist.GradBucket) -> torch.futures.Futu
         >>> # xdoctest: +SKIP
         >>> fastpar.ddp.register(ddp_model, fastpar.ddp.allreduce_hook)
     """
-    if torch.compiler.is_compiling():
-        return _opaque(_allreduce)(process_group, bucket)
+    if torch.compiler.is_compiling():  # (see _dispatch.eager_entry)
+        return _allreduce_eagerly(process_group, bucket)
     return _allreduce(process_group, bucket)
 
 
@@ -465,6 +462,7 @@ def _allreduce(process_group, bucket):
     return dist.all_reduce(buf, group=group, async_op=True).get_future().then(_value)
 
 
+_allreduce_eagerly = _dispatch.eager_entry(_allreduce)
 allreduce_hook._fastpar_wire = None  # reduced in the bucket's own dtype
 
 
@@ -535,8 +533,8 @@ def _make_compress_hook(dtype: torch.dtype):
     who = f"compress_hook({short})"
 
     def hook(process_group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        if torch.compiler.is_compiling():
-            return _opaque(compress)(process_group, bucket)
+        if torch.compiler.is_compiling():  # (see _dispatch.eager_entry)
+            return compress_eagerly(process_group, bucket)
         return compress(process_group, bucket)
 
     def compress(process_group, bucket):
@@ -570,6 +568,7 @@ def _make_compress_hook(dtype: torch.dtype):
         f"{short}, fused cast back (see fastpar.ddp.compress_hook)."
     )
     hook._fastpar_wire = dtype
+    compress_eagerly = _dispatch.eager_entry(compress)
     # pickle finds a function by module and name: a DDP model holding the hook pickles
     # (torch.save(ddp_model)) as with torch's hooks, which are module functions.
     globals()[hook.__name__] = hook
@@ -781,7 +780,7 @@ def sync_params(module, src: int = 0, process_group=None) -> None:
         # Called inside a compiled function, dynamo traced on through the packing, the
         # checksum and the collectives, warning at each builtin it met (zlib.crc32, ...),
         # with no graph to build from any of it: the whole call runs eagerly instead.
-        return _opaque(sync_params)(module, src, process_group)
+        return _sync_params_eagerly(module, src, process_group)
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     if isinstance(src, bool) or not isinstance(src, int):
@@ -870,3 +869,6 @@ def sync_params(module, src: int = 0, process_group=None) -> None:
             if cut is not None:
                 t, tmp = t[cut], tmp[cut]
             t.copy_(tmp)
+
+
+_sync_params_eagerly = _dispatch.eager_entry(sync_params)

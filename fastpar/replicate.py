@@ -263,7 +263,7 @@ def replicate(network, devices, detach=False):
         # Traced under aot_eager with dynamic shapes, the replicas' byte views failed in
         # torch's alias replay ("self.size(-1) must be divisible by 4 to view Byte as
         # Float"); replicas are modules, not a graph: the whole call runs eagerly.
-        return _dispatch.opaque_to_compile(replicate)(network, devices, detach)
+        return _replicate_eagerly(network, devices, detach)
     modules = list(network.modules())  # one walk of the tree serves every step below
     if any(isinstance(m, torch.jit.ScriptModule) for m in modules) and not _replicatable_module(network):
         raise RuntimeError("Cannot replicate network where python modules are children of ScriptModule")
@@ -406,3 +406,6 @@ def _no_registration_hooks() -> bool:
     return not any(getattr(m, name, None) for name in (
         "_global_module_registration_hooks", "_global_parameter_registration_hooks",
         "_global_buffer_registration_hooks"))
+
+
+_replicate_eagerly = _dispatch.eager_entry(replicate)  # (see the start of replicate)

@@ -504,6 +504,8 @@ def pack(weights, layout: RNNLayout, *, out=None) -> torch.Tensor:
     One launch on the ``triton`` (CUDA, or the interpreter on CPU tensors) and ``numba``
     (CPU) backends. Like :func:`fastpar.flatten`, the result records no autograd history.
     """
+    if torch.compiler.is_compiling():  # (see _dispatch.eager_entry)
+        return _pack_eagerly(weights, layout, out=out)
     return _pack(weights, layout, out, cache=True)
 
 
@@ -646,6 +648,8 @@ def flatten_parameters(module) -> torch.Tensor:
     by an inplace operation"), so flatten before the forward. ``copy.deepcopy`` of a
     flat module copies each weight on its own; flatten the copy again.
     """
+    if torch.compiler.is_compiling():  # (see _dispatch.eager_entry)
+        return _flatten_parameters_eagerly(module)
     return _flatten_checked(module, *_flatten_checks(module))
 
 
@@ -666,3 +670,8 @@ def _flatten_checked(module, names, weights, layout) -> torch.Tensor:
     module._flat_weights = list(weights)
     module._flat_weight_refs = [weakref.ref(w) for w in weights]
     return buf
+
+
+# What the functions above run when called while dynamo traces (see _dispatch.eager_entry).
+_pack_eagerly = _dispatch.eager_entry(pack)
+_flatten_parameters_eagerly = _dispatch.eager_entry(flatten_parameters)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import warnings
 
 import pytest
@@ -111,6 +112,46 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, dtype=None, wh
             f"({dtype}); worst at flat index {i}: got {a[i].item()!r}, expected {e[i].item()!r}; "
             f"first bad indices {idx[:8].tolist()}; NaNs in result: {int(nan_a.sum())} (expected {int(nan_e.sum())})"
         )
+
+
+def compiled_run(fn, *args, reuse: bool = True):
+    """``fn(*args)`` compiled by dynamo (``backend="eager"``) from a clean dynamo state,
+    run twice (with ``reuse``, the second call must reuse the first's graphs: not so
+    where ``fn`` rebinds what dynamo guards on, e.g. a module's parameters that
+    ``rnn.flatten_parameters`` replaces by views of its buffer): ``(result of the second
+    call, graph-break reasons {reason: count}, graphs dynamo built, messages of the
+    warnings raised)``. A fastpar op met by dynamo should cost one graph break, at its
+    call, with nothing inside it traced."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(fn, backend="eager")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        compiled(*args)
+        graphs = counters["stats"]["unique_graphs"]
+        result = compiled(*args)
+    assert not reuse or counters["stats"]["unique_graphs"] == graphs, "the second call built new graphs (a recompile)"
+    breaks = dict(counters["graph_break"])
+    torch._dynamo.reset()
+    return result, breaks, graphs, [str(w.message) for w in seen]
+
+
+def assert_one_break_per_op(breaks: dict, graphs: int, warned: list, ops: list) -> None:
+    """What :func:`compiled_run` saw of a function calling each of ``ops`` (fastpar
+    functions, by name) once: one graph-break site per op, each naming it (dynamo
+    counts a break once per analysis pass, so a site may count twice), at most one graph
+    more than breaks, and no warning from dynamo or inductor."""
+    named = [re.findall(r"function `(\w+)`", reason) for reason in breaks]
+    assert sorted(n[0] for n in named if n) == sorted(ops) and len(breaks) == len(ops), (
+        f"expected one graph break at each of {ops}, got {len(breaks)} break sites: "
+        + "; ".join(r.splitlines()[0] + " " + str(n) for r, n in zip(breaks, named))
+    )
+    assert graphs <= len(ops) + 1, f"expected at most {len(ops) + 1} graphs around {len(ops)} breaks, dynamo built {graphs}"
+    noise = [w for w in warned if "ynamo" in w or "nductor" in w]
+    assert not noise, f"dynamo/inductor warned: {noise}"
 
 
 def assert_same_bits(actual, expected, what: str = "", *, nan_payloads: bool = False):

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import ALL_DTYPES, HAS_CUDA, TOL, assert_close, assert_unchanged, poison_, poisoned, rand, snapshot
+from conftest import ALL_DTYPES, HAS_CUDA, TOL, assert_close, assert_one_break_per_op, compiled_run, assert_unchanged, poison_, poisoned, rand, snapshot
 
 import fastpar
 from fastpar import comm
@@ -2004,3 +2004,27 @@ def test_gather_does_not_hand_its_inner_flatten_to_a_subclass():
     out = fastpar.comm.gather(ts, 0, "cpu")
     expected = torch.cat([t.as_subclass(torch.Tensor) for t in ts])
     assert torch.equal(out.as_subclass(torch.Tensor), expected)
+
+
+def test_ops_inside_torch_compile_cost_one_graph_break_each():
+    # As in test_flatten: dynamo traced on into the ops' validation, plans and result
+    # caches (graph breaks at every lock, numpy call and ctypes read, and warnings).
+    # Each runs eagerly whole now, one graph break at its call, results as eager.
+    x = rand((6, 5), torch.float32)
+    ys = [rand((4, 3), torch.float32) for _ in range(3)]
+
+    def step(x, ys):
+        b = comm.broadcast(x, ["cpu", "cpu"])
+        (bc0, bc1) = comm.broadcast_coalesced([x, ys[0]], ["cpu", "cpu"])
+        r = comm.reduce_add([y * 2 for y in ys], "cpu")
+        (rc,) = comm.reduce_add_coalesced([[y] for y in ys], "cpu")
+        s = comm.scatter(x, ["cpu", "cpu"])
+        g = comm.gather([c * 1 for c in s], 0, "cpu")
+        return b[1] + bc1[0] + g, r + rc
+
+    (xs, rs), breaks, graphs, warned = compiled_run(step, x, ys)
+    assert_close(xs, 3 * x.double(), what="broadcast + broadcast_coalesced + scatter/gather")
+    assert_close(rs, 3 * sum(y.double() for y in ys), what="reduce_add + reduce_add_coalesced")
+    assert_one_break_per_op(breaks, graphs, warned,
+                            ["broadcast", "broadcast_coalesced", "reduce_add", "reduce_add_coalesced", "scatter", "gather"])
+

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import (ALL_DTYPES, FLOAT_DTYPES, TOL, assert_close, assert_unchanged, cuda, poison_, rand, snapshot,
+from conftest import (ALL_DTYPES, assert_one_break_per_op, compiled_run, FLOAT_DTYPES, TOL, assert_close, assert_unchanged, cuda, poison_, rand, snapshot,
                       body_passed)
 
 import fastpar
@@ -2336,3 +2336,26 @@ def test_kernel_hands_out_a_replaced_launcher_once_dynamo_is_loaded(monkeypatch)
     monkeypatch.setattr(_dispatch, "_kernel", lambda backend, op: spy if op == "flatten" else real_kernel(backend, op))
     assert_close(fastpar.flatten(ts), expected, what="through the replaced launcher")
     assert seen == [22], f"the replaced flatten launcher ran for {seen}, expected once for the 22 elements"
+
+
+def test_ops_inside_torch_compile_cost_one_graph_break_each():
+    # dynamo traced on into every op it met inside a compiled function: the plan
+    # building (its numpy through torch._numpy), the compiled check's ctypes reads, the
+    # first-use calibration (whose complex probes inductor then compiled), locks and
+    # context variables. A flatten and an unflatten_into of new shapes made 59 graph
+    # breaks and 19 graphs, and warned. Each op now runs eagerly whole, as replicate
+    # does: one graph break, at its call.
+    ts = [rand((7,), torch.float32), rand((3, 5), torch.float32)]
+    flat = rand((22,), torch.float32)
+    dst = [poison_(torch.empty(7)), poison_(torch.empty(3, 5))]
+
+    def step(ts, flat, dst):
+        a = fastpar.flatten([t * 2 for t in ts])
+        views = fastpar.unflatten(a, ts)
+        fastpar.unflatten_into(flat, dst)
+        return a.sum() * 2 + sum(v.sum() for v in views)
+
+    got, breaks, graphs, warned = compiled_run(step, ts, flat, dst)
+    assert_close(got, 6 * sum(t.double().sum() for t in ts), what="compiled step")
+    assert_close(torch.cat([d.reshape(-1) for d in dst]), flat, what="unflatten_into's destinations")
+    assert_one_break_per_op(breaks, graphs, warned, ["flatten", "unflatten", "unflatten_into"])

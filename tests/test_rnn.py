@@ -11,9 +11,11 @@ import pytest
 import torch
 from conftest import (
     CPU_BACKENDS,
+    assert_one_break_per_op,
     assert_same_bits,
     assert_unchanged,
     bf16_subnormals_zeroed,
+    compiled_run,
     cuda,
     poison_,
     poisoned,
@@ -957,3 +959,34 @@ def test_is_flat_does_not_evaluate_a_parametrized_weight():
     assert rnn.is_flat(m) is False
     for a, (name, b) in zip(before, sn.named_buffers()):
         assert torch.equal(a, b), f"is_flat ran the parametrization: {name} changed"
+
+
+def test_pack_and_flatten_parameters_inside_torch_compile_cost_one_graph_break_each():
+    # As in test_flatten: dynamo traced on into the layout checks and the plan. Each
+    # call runs eagerly whole now, one graph break, results as eager.
+    m = torch.nn.LSTM(5, 4, num_layers=2, bidirectional=True)
+    layout = RNNLayout.for_module(m)
+    weights = [w.detach().clone() for w in m._flat_weights]
+    expected = rnn.pack(weights, layout)
+
+    def step(weights):
+        return rnn.pack([w * 1 for w in weights], layout)
+
+    packed, breaks, graphs, warned = compiled_run(step, weights)
+    assert_same_bits(packed, expected, "pack under torch.compile")
+    assert_one_break_per_op(breaks, graphs, warned, ["pack"])
+
+    def step(m):
+        return rnn.flatten_parameters(m) * 1
+
+    # dynamo declines a frame that takes an RNN module unless allow_rnn is set (it runs
+    # it eagerly and compiles the frames it calls one by one: see the README's Limits).
+    # Each call rebinds m's weights to views of its new buffer: dynamo's guards on them
+    # fail, and the second call compiles again.
+    import torch._dynamo as dynamo
+
+    with dynamo.config.patch(allow_rnn=True):
+        buf, breaks, graphs, warned = compiled_run(step, m, reuse=False)
+    assert_same_bits(buf, expected, "flatten_parameters under torch.compile")
+    assert rnn.is_flat(m)
+    assert_one_break_per_op(breaks, graphs, warned, ["flatten_parameters"])
