@@ -11,7 +11,7 @@ import torch
 from torch._utils import ExceptionWrapper
 from torch.nn.parallel.parallel_apply import get_a_var
 
-from . import comm
+from . import _dispatch, comm
 
 __all__ = ["parallel_apply"]
 
@@ -37,6 +37,10 @@ def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
     Each thread runs in the caller's grad mode, inference mode, autocast state and
     context variables (torch's ``parallel_apply`` carries grad mode and autocast only).
     """
+    if torch.compiler.is_compiling():
+        # Traced, dynamo warned at the thread machinery (_thread.allocate_lock, get_ident,
+        # copy_context) and built no graph: the threads run eagerly, one graph break.
+        return _parallel_apply_eagerly(modules, inputs, kwargs_tup, devices)
     if len(modules) != len(inputs):
         raise ValueError(f"modules and inputs must have the same length, got {len(modules)} and {len(inputs)}")
     if kwargs_tup is None:
@@ -139,3 +143,6 @@ def _where(i: int, device: torch.device) -> str:
     """Where replica ``i`` failed, in torch's words: a CUDA device by its index ("in
     replica 1 on device 0"), a host replica "on device cpu"."""
     return f"in replica {i} on device {device.index if device.type == 'cuda' else device}"
+
+
+_parallel_apply_eagerly = _dispatch.eager_entry(parallel_apply)  # (see the start of parallel_apply)

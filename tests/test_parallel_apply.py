@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+from conftest import assert_close, assert_one_break_per_op, compiled_run
 from torch import nn
 
 from fastpar.parallel_apply import parallel_apply
@@ -221,3 +222,21 @@ def test_replica_failure_names_a_cuda_device_by_index_as_torch():
     assert _where(0, torch.device("cuda", 3)) == "in replica 0 on device 3"
     with pytest.raises(KeyError, match=r"Caught KeyError in replica 1 on device cpu\.\n[\s\S]+wonderful"):
         parallel_apply([nn.Identity(), _KeyErrorModule()], [(torch.ones(1),)] * 2, None, ["cpu", "cpu"])
+
+
+def test_parallel_apply_inside_torch_compile_is_one_graph_break():
+    # Traced, dynamo warned at the thread machinery (_thread.allocate_lock, get_ident,
+    # contextvars.copy_context) and built nothing from it; the threads run eagerly now.
+    torch.manual_seed(0)
+    mods = [nn.Linear(3, 2), nn.Linear(3, 2)]
+    xs = [torch.randn(4, 3), torch.randn(5, 3)]
+
+    def step(xs):
+        return parallel_apply(mods, [(x * 1,) for x in xs], None, ["cpu", "cpu"])
+
+    outs, breaks, graphs, warned = compiled_run(step, xs)
+    for i, (o, m, x) in enumerate(zip(outs, mods, xs)):
+        ref = torch.nn.functional.linear(x.double(), m.weight.double(), m.bias.double())  # float64
+        assert_close(o, ref, what=f"replica {i}")
+    assert_one_break_per_op(breaks, graphs, warned, ["parallel_apply"])
+
