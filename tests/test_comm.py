@@ -2018,8 +2018,8 @@ def test_ops_inside_torch_compile_cost_one_graph_break_each():
         (bc0, bc1) = comm.broadcast_coalesced([x, ys[0]], ["cpu", "cpu"])
         r = comm.reduce_add([y * 2 for y in ys], "cpu")
         (rc,) = comm.reduce_add_coalesced([[y] for y in ys], "cpu")
-        s = comm.scatter(x, ["cpu", "cpu"])
-        g = comm.gather([c * 1 for c in s], 0, "cpu")
+        s = comm.scatter(x, ["cpu", "cpu"], chunk_sizes=[2, 3], dim=1)  # (every argument reaches it)
+        g = comm.gather([c * 1 for c in s], 1, "cpu")
         return b[1] + bc1[0] + g, r + rc
 
     (xs, rs), breaks, graphs, warned = compiled_run(step, x, ys)

@@ -2348,14 +2348,18 @@ def test_ops_inside_torch_compile_cost_one_graph_break_each():
     ts = [rand((7,), torch.float32), rand((3, 5), torch.float32)]
     flat = rand((22,), torch.float32)
     dst = [poison_(torch.empty(7)), poison_(torch.empty(3, 5))]
+    out = poison_(torch.empty(22, dtype=torch.float64))
 
-    def step(ts, flat, dst):
+    def step(ts, flat, dst, out):
         a = fastpar.flatten([t * 2 for t in ts])
         views = fastpar.unflatten(a, ts)
-        fastpar.unflatten_into(flat, dst)
+        fastpar.flatten(ts, dtype=torch.float64, scale=3.0, out=out)  # (every argument reaches it)
+        fastpar.unflatten_into(flat, dst, scale=0.5)
         return a.sum() * 2 + sum(v.sum() for v in views)
 
-    got, breaks, graphs, warned = compiled_run(step, ts, flat, dst)
-    assert_close(got, 6 * sum(t.double().sum() for t in ts), what="compiled step")
-    assert_close(torch.cat([d.reshape(-1) for d in dst]), flat, what="unflatten_into's destinations")
-    assert_one_break_per_op(breaks, graphs, warned, ["flatten", "unflatten", "unflatten_into"])
+    got, breaks, graphs, warned = compiled_run(step, ts, flat, dst, out)
+    ref = torch.cat([t.double().reshape(-1) for t in ts])  # float64
+    assert_close(got, 6 * ref.sum(), what="compiled step")
+    assert_close(out, 3 * ref, what="flatten(dtype=, scale=, out=)")
+    assert_close(torch.cat([d.reshape(-1) for d in dst]), 0.5 * flat.double(), what="unflatten_into's destinations")
+    assert_one_break_per_op(breaks, graphs, warned, ["flatten", "unflatten", "flatten", "unflatten_into"])
