@@ -129,9 +129,10 @@ def opaque_to_compile(fn):
     dynamo traces use :func:`eager_entry`, made at import.)"""
     hit = _OPAQUE.get(fn)
     if hit is None:
-        # A plain store, not setdefault: dynamo traces this function in a compiled
-        # backward's DDP hook, and torch 2.11's cannot trace dict.setdefault (a graph
-        # break and a warning). Two threads missing at once make two equivalent wrappers.
+        # A plain store, not setdefault: dynamo may trace this function (kernel() reached
+        # from a traced autograd Function, say), and torch 2.11's cannot trace
+        # dict.setdefault (a graph break and a warning). Two threads missing at once make
+        # two equivalent wrappers.
         hit = _OPAQUE[fn] = torch.compiler.disable(fn)
     return hit
 
