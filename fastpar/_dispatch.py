@@ -138,10 +138,11 @@ def opaque_to_compile(fn):
 
 
 def eager_entry(fn):
-    """``fn`` for the calls it receives while dynamo traces (``torch.compiler.is_compiling()``):
-    an entry point calls the result instead of going on, e.g.::
+    """``fn`` for the calls it receives while dynamo traces
+    (``torch.compiler.is_dynamo_compiling()``): an entry point calls the result instead
+    of going on, e.g.::
 
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_dynamo_compiling():
             return _flatten_eagerly(tensors, dtype=dtype, scale=scale, out=out)
 
     dynamo does not trace the result (torch defines it in a module dynamo skips), so the
@@ -149,7 +150,12 @@ def eager_entry(fn):
     ``torch.compiler.disable``. ``torch._disable_dynamo`` makes it at import without
     importing dynamo (it does that at the first call). The wrapper must exist before
     tracing: made by :func:`opaque_to_compile` while dynamo traced the caller, it cost
-    two more graph breaks at the first call of each op and guards on its cache."""
+    two more graph breaks at the first call of each op and guards on its cache.
+
+    The guard is ``is_dynamo_compiling()``, not ``is_compiling()``: the latter is also
+    true where Python runs eagerly under a torch tracer (``torch.export`` with
+    ``strict=False``, a compile session's AOT tracing), so the eager ``fn`` met its own
+    guard again and called the eager entry until a ``RecursionError``."""
     return torch._disable_dynamo(fn)
 
 

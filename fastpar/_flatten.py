@@ -138,7 +138,7 @@ def flatten(tensors, *, dtype=None, scale=None, out=None):
     ``_flatten_dense_tensors`` hands it over: with the default override the result is
     of its class, as torch's is. So does an active ``TorchFunctionMode``.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         # Traced, dynamo went on into the plan building, the compiled check and the
         # first use's calibration (dozens of graph breaks and graphs, and warnings) with
         # no graph to build from them: the whole call runs eagerly, one graph break.
@@ -215,7 +215,7 @@ def unflatten(flat, tensors):
     ``_unflatten_dense_tensors`` hands it over (the default override returns views of
     its class); so does an active ``TorchFunctionMode``.
     """
-    if torch.compiler.is_compiling():  # (as in flatten)
+    if torch.compiler.is_dynamo_compiling():  # (as in flatten)
         return _unflatten_eagerly(flat, tensors)
     if _mode_enabled():  # (as in flatten)
         return handle_torch_function(unflatten, _relevant(tensors, flat), flat, tensors)
@@ -268,7 +268,7 @@ def unflatten_into(flat, tensors, *, scale=None) -> None:
     counters so autograd still detects the modification of a saved tensor. An empty
     ``tensors`` writes nothing (``flat`` must then be empty).
     """
-    if torch.compiler.is_compiling():  # (as in flatten)
+    if torch.compiler.is_dynamo_compiling():  # (as in flatten)
         return _unflatten_into_eagerly(flat, tensors, scale=scale)
     if _empty_list(tensors):
         check_flat(flat, "flat", numel=0, dtype=None, device=None)

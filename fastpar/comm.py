@@ -184,7 +184,7 @@ def broadcast(tensor, devices=None, *, out=None):
     Returns:
         a tuple with one tensor per device (or ``out``).
     """
-    if torch.compiler.is_compiling():  # (see _dispatch.eager_entry)
+    if torch.compiler.is_dynamo_compiling():  # (see _dispatch.eager_entry)
         return _broadcast_eagerly(tensor, devices, out=out)
     _check_tensor(tensor, "tensor")
     if (devices is None) == (out is None):
@@ -317,7 +317,7 @@ def broadcast_coalesced(tensors, devices, buffer_size=_DEFAULT_BUFFER):
         A list with one list of tensors per device; ``result[0]`` holds ``tensors``
         themselves. The copies do not require grad.
     """
-    if torch.compiler.is_compiling():  # (see replicate: views at byte offsets, no graph)
+    if torch.compiler.is_dynamo_compiling():  # (see replicate: views at byte offsets, no graph)
         return _broadcast_coalesced_eagerly(tensors, devices, buffer_size)
     devs = _devices(devices, "devices")
     _check_buffer_size(buffer_size)
@@ -428,7 +428,7 @@ def reduce_add(inputs, destination=None):
         accumulated in float32 and rounded once; sparse COO inputs give a sparse sum, or a
         dense one when a dense input is among them).
     """
-    if torch.compiler.is_compiling():  # (see _dispatch.eager_entry)
+    if torch.compiler.is_dynamo_compiling():  # (see _dispatch.eager_entry)
         return _reduce_add_eagerly(inputs, destination)
     if isinstance(inputs, (list, tuple)) and _has_sparse([inputs]):
         # As torch's (without NCCL): sparse COO inputs give a sparse sum, and with a
@@ -507,7 +507,7 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
         follow torch: a position sparse on every device is summed with ``torch.add``
         into a sparse result, a position sparse on some devices only is densified.
     """
-    if torch.compiler.is_compiling():  # (see _dispatch.eager_entry)
+    if torch.compiler.is_dynamo_compiling():  # (see _dispatch.eager_entry)
         return _reduce_add_coalesced_eagerly(inputs, destination, buffer_size, out=out)
     _check_buffer_size(buffer_size)
     inputs = _sequence(inputs)  # any iterable of per-device lists
@@ -801,7 +801,7 @@ def scatter(tensor, devices=None, chunk_sizes=None, dim=0, streams=None, *, out=
     Returns:
         a tuple of chunks, one per device (or ``out``).
     """
-    if torch.compiler.is_compiling():  # (see _dispatch.eager_entry)
+    if torch.compiler.is_dynamo_compiling():  # (see _dispatch.eager_entry)
         return _scatter_eagerly(tensor, devices, chunk_sizes, dim, streams, out=out)
     _check_tensor(tensor, "tensor")
     if (devices is None) == (out is None):
@@ -933,7 +933,7 @@ def gather(tensors, dim=0, destination=None, *, out=None):
     Returns:
         ``out`` if given, else a new tensor on ``destination``.
     """
-    if torch.compiler.is_compiling():  # (see _dispatch.eager_entry)
+    if torch.compiler.is_dynamo_compiling():  # (see _dispatch.eager_entry)
         return _gather_eagerly(tensors, dim, destination, out=out)
     ts = list(_checked_any_device(_sequence(tensors), "tensors"))
     if all(t.dim() == 0 for t in ts):

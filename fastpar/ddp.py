@@ -440,7 +440,7 @@ def allreduce_hook(process_group, bucket: dist.GradBucket) -> torch.futures.Futu
         >>> # xdoctest: +SKIP
         >>> fastpar.ddp.register(ddp_model, fastpar.ddp.allreduce_hook)
     """
-    if torch.compiler.is_compiling():  # (see _dispatch.eager_entry)
+    if torch.compiler.is_dynamo_compiling():  # (see _dispatch.eager_entry)
         return _allreduce_eagerly(process_group, bucket)
     return _allreduce(process_group, bucket)
 
@@ -533,7 +533,7 @@ def _make_compress_hook(dtype: torch.dtype):
     who = f"compress_hook({short})"
 
     def hook(process_group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        if torch.compiler.is_compiling():  # (see _dispatch.eager_entry)
+        if torch.compiler.is_dynamo_compiling():  # (see _dispatch.eager_entry)
             return compress_eagerly(process_group, bucket)
         return compress(process_group, bucket)
 
@@ -776,7 +776,7 @@ def sync_params(module, src: int = 0, process_group=None) -> None:
             initialized, or the group has no backend for a device the module's tensors
             are on (CPU buffers on an NCCL group), before any collective.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         # Called inside a compiled function, dynamo traced on through the packing, the
         # checksum and the collectives, warning at each builtin it met (zlib.crc32, ...),
         # with no graph to build from any of it: the whole call runs eagerly instead.

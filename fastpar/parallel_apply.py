@@ -37,7 +37,7 @@ def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
     Each thread runs in the caller's grad mode, inference mode, autocast state and
     context variables (torch's ``parallel_apply`` carries grad mode and autocast only).
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         # Traced, dynamo warned at the thread machinery (_thread.allocate_lock, get_ident,
         # copy_context) and built no graph: the threads run eagerly, one graph break.
         return _parallel_apply_eagerly(modules, inputs, kwargs_tup, devices)

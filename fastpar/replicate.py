@@ -259,7 +259,7 @@ def replicate(network, devices, detach=False):
     Gradients of the replicas' parameters flow back into ``network``'s through one fused
     reduce-add launch per dtype (Broadcast's backward).
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         # Traced under aot_eager with dynamic shapes, the replicas' byte views failed in
         # torch's alias replay ("self.size(-1) must be divisible by 4 to view Byte as
         # Float"); replicas are modules, not a graph: the whole call runs eagerly.

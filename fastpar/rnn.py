@@ -504,7 +504,7 @@ def pack(weights, layout: RNNLayout, *, out=None) -> torch.Tensor:
     One launch on the ``triton`` (CUDA, or the interpreter on CPU tensors) and ``numba``
     (CPU) backends. Like :func:`fastpar.flatten`, the result records no autograd history.
     """
-    if torch.compiler.is_compiling():  # (see _dispatch.eager_entry)
+    if torch.compiler.is_dynamo_compiling():  # (see _dispatch.eager_entry)
         return _pack_eagerly(weights, layout, out=out)
     return _pack(weights, layout, out, cache=True)
 
@@ -648,7 +648,7 @@ def flatten_parameters(module) -> torch.Tensor:
     by an inplace operation"), so flatten before the forward. ``copy.deepcopy`` of a
     flat module copies each weight on its own; flatten the copy again.
     """
-    if torch.compiler.is_compiling():  # (see _dispatch.eager_entry)
+    if torch.compiler.is_dynamo_compiling():  # (see _dispatch.eager_entry)
         return _flatten_parameters_eagerly(module)
     return _flatten_checked(module, *_flatten_checks(module))
 

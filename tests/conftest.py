@@ -154,6 +154,18 @@ def assert_one_break_per_op(breaks: dict, graphs: int, warned: list, ops: list) 
     assert not noise, f"dynamo/inductor warned: {noise}"
 
 
+def compiling_flag_on(monkeypatch) -> None:
+    """Make ``torch.compiler.is_compiling()`` true with dynamo not tracing: what
+    ``torch.export`` with ``strict=False`` (and a compile session's AOT tracing) does
+    while Python runs eagerly. fastpar's calls must then run as in eager mode: the eager
+    entries (:func:`fastpar._dispatch.eager_entry`) are for dynamo's tracing only.
+    Skips where torch keeps no such flag."""
+    if not hasattr(torch.compiler, "_is_compiling_flag"):
+        pytest.skip("this torch has no torch.compiler._is_compiling_flag")
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)
+    assert torch.compiler.is_compiling() and not torch.compiler.is_dynamo_compiling()
+
+
 def assert_same_bits(actual, expected, what: str = "", *, nan_payloads: bool = False):
     """``actual`` holds exactly ``expected``'s shape, dtype and bits: values first
     (:func:`assert_close` with no tolerance: names the worst element and any NaN poison

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import ALL_DTYPES, HAS_CUDA, TOL, assert_close, assert_one_break_per_op, compiled_run, assert_unchanged, poison_, poisoned, rand, snapshot
+from conftest import ALL_DTYPES, HAS_CUDA, TOL, assert_close, assert_one_break_per_op, compiled_run, compiling_flag_on, assert_unchanged, poison_, poisoned, rand, snapshot
 
 import fastpar
 from fastpar import comm
@@ -2028,3 +2028,24 @@ def test_ops_inside_torch_compile_cost_one_graph_break_each():
     assert_one_break_per_op(breaks, graphs, warned,
                             ["broadcast", "broadcast_coalesced", "reduce_add", "reduce_add_coalesced", "scatter", "gather"])
 
+
+
+def test_ops_run_eagerly_while_a_torch_tracer_sets_is_compiling(monkeypatch):
+    # As in test_flatten: with torch.compiler.is_compiling() true and dynamo not
+    # tracing (torch.export(strict=False)), each op called its eager entry, which called
+    # the op again, until a RecursionError. They run as eager now.
+    x = rand((6, 5), torch.float32)
+    ys = [rand((4, 3), torch.float32) for _ in range(3)]
+    compiling_flag_on(monkeypatch)
+    b = comm.broadcast(x, ["cpu", "cpu"])
+    (_, bc1) = comm.broadcast_coalesced([x, ys[0]], ["cpu", "cpu"])
+    r = comm.reduce_add(ys, "cpu")
+    (rc,) = comm.reduce_add_coalesced([[y] for y in ys], "cpu")
+    s = comm.scatter(x, ["cpu", "cpu"], chunk_sizes=[2, 3], dim=1)
+    g = comm.gather(list(s), 1, "cpu")
+    assert_close(b[1], x.double(), what="broadcast")
+    assert_close(bc1[0], x.double(), what="broadcast_coalesced")
+    assert_close(r, sum(y.double() for y in ys), what="reduce_add")
+    assert_close(rc, sum(y.double() for y in ys), what="reduce_add_coalesced")
+    assert [c.shape for c in s] == [(6, 2), (6, 3)], "scatter's chunks"
+    assert_close(g, x.double(), what="scatter then gather")

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import (ALL_DTYPES, assert_one_break_per_op, compiled_run, FLOAT_DTYPES, TOL, assert_close, assert_unchanged, cuda, poison_, rand, snapshot,
+from conftest import (ALL_DTYPES, assert_one_break_per_op, compiled_run, compiling_flag_on, FLOAT_DTYPES, TOL, assert_close, assert_unchanged, cuda, poison_, rand, snapshot,
                       body_passed)
 
 import fastpar
@@ -2363,3 +2363,39 @@ def test_ops_inside_torch_compile_cost_one_graph_break_each():
     assert_close(out, 3 * ref, what="flatten(dtype=, scale=, out=)")
     assert_close(torch.cat([d.reshape(-1) for d in dst]), 0.5 * flat.double(), what="unflatten_into's destinations")
     assert_one_break_per_op(breaks, graphs, warned, ["flatten", "unflatten", "flatten", "unflatten_into"])
+
+
+def test_ops_run_eagerly_while_a_torch_tracer_sets_is_compiling(monkeypatch):
+    # The guards tested torch.compiler.is_compiling(), also true while Python runs
+    # eagerly under torch.export(strict=False): each op called its eager entry, which
+    # called the op, which met its guard again, until a RecursionError. Only dynamo's
+    # tracing takes the eager entry now; with the flag alone, the ops run as eager.
+    ts = [rand((7,), torch.float32), rand((3, 5), torch.float32)]
+    flat = rand((22,), torch.float32)
+    dst = [poison_(torch.empty(7)), poison_(torch.empty(3, 5))]
+    out = poison_(torch.empty(22, dtype=torch.float64))
+    ref = torch.cat([t.double().reshape(-1) for t in ts])  # float64
+    compiling_flag_on(monkeypatch)
+    a = fastpar.flatten(ts)
+    assert_close(a, ref, what="flatten")
+    views = fastpar.unflatten(a, ts)
+    for v, t in zip(views, ts):
+        assert_close(v, t.double(), what="unflatten")
+    fastpar.flatten(ts, dtype=torch.float64, scale=3.0, out=out)
+    assert_close(out, 3 * ref, what="flatten(dtype=, scale=, out=)")
+    fastpar.unflatten_into(flat, dst, scale=0.5)
+    assert_close(torch.cat([d.reshape(-1) for d in dst]), 0.5 * flat.double(), what="unflatten_into")
+
+
+def test_non_strict_export_of_flatten_fails_without_recursion():
+    # torch.export(strict=False) runs forward eagerly on fake tensors with
+    # is_compiling() true: flatten looped through its eager entry to a RecursionError
+    # (a RuntimeError too). It now fails as before the eager entries, at its kernel's
+    # first read of a fake tensor's data.
+    class Model(torch.nn.Module):
+        def forward(self, x, y):
+            return fastpar.flatten([x, y]) * 2
+
+    with pytest.raises(RuntimeError) as caught:
+        torch.export.export(Model(), (torch.randn(3), torch.randn(2, 2)), strict=False)
+    assert not isinstance(caught.value, RecursionError), "flatten recursed through its eager entry"

@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from conftest import assert_close, assert_one_break_per_op, compiled_run
+from conftest import assert_close, assert_one_break_per_op, compiled_run, compiling_flag_on
 from torch import nn
 
 from fastpar.parallel_apply import parallel_apply
@@ -240,3 +240,17 @@ def test_parallel_apply_inside_torch_compile_is_one_graph_break():
         assert_close(o, ref, what=f"replica {i}")
     assert_one_break_per_op(breaks, graphs, warned, ["parallel_apply"])
 
+
+
+def test_parallel_apply_runs_eagerly_while_a_torch_tracer_sets_is_compiling(monkeypatch):
+    # With torch.compiler.is_compiling() true and dynamo not tracing
+    # (torch.export(strict=False)), parallel_apply called its eager entry, which called
+    # it again, until a RecursionError. It runs as eager now.
+    torch.manual_seed(0)
+    mods = [nn.Linear(3, 2), nn.Linear(3, 2)]
+    xs = [torch.randn(4, 3), torch.randn(5, 3)]
+    compiling_flag_on(monkeypatch)
+    outs = parallel_apply(mods, [(x,) for x in xs], None, ["cpu", "cpu"])
+    for i, (o, m, x) in enumerate(zip(outs, mods, xs)):
+        ref = torch.nn.functional.linear(x.double(), m.weight.double(), m.bias.double())  # float64
+        assert_close(o, ref, what=f"replica {i}")

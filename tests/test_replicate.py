@@ -648,6 +648,21 @@ def test_pool_allocates_anew_when_the_network_grows():
     assert torch.equal(r[0].weight, net[0].weight) and torch.equal(r[0].bias, net[0].bias)
 
 
+def test_replicate_runs_eagerly_while_a_torch_tracer_sets_is_compiling(monkeypatch):
+    # With torch.compiler.is_compiling() true and dynamo not tracing
+    # (torch.export(strict=False)), replicate called its eager entry, which called it
+    # again, until a RecursionError. It runs as eager now.
+    from conftest import compiling_flag_on
+
+    net = small_net()
+    compiling_flag_on(monkeypatch)
+    reps = replicate(net, ["cpu", "cpu"])
+    src = dict(net.named_parameters())
+    for j, r in enumerate(reps):
+        for name, t in _plain_tensors(r):
+            assert torch.equal(t, src[name]), f"replica {j}: {name}"
+
+
 # ---------------------------------------------------------------------------------------
 # Properties (hypothesis): random module trees against torch.nn.parallel.replicate itself,
 # its device copies done on the host (torch's own replicate needs CUDA devices).

@@ -16,6 +16,7 @@ from conftest import (
     assert_unchanged,
     bf16_subnormals_zeroed,
     compiled_run,
+    compiling_flag_on,
     cuda,
     poison_,
     poisoned,
@@ -990,3 +991,17 @@ def test_pack_and_flatten_parameters_inside_torch_compile_cost_one_graph_break_e
     assert_same_bits(buf, expected, "flatten_parameters under torch.compile")
     assert rnn.is_flat(m)
     assert_one_break_per_op(breaks, graphs, warned, ["flatten_parameters"])
+
+
+def test_pack_and_flatten_parameters_run_eagerly_while_a_torch_tracer_sets_is_compiling(monkeypatch):
+    # With torch.compiler.is_compiling() true and dynamo not tracing
+    # (torch.export(strict=False)), each called its eager entry, which called it again,
+    # until a RecursionError. They run as eager now.
+    m = torch.nn.LSTM(5, 4, num_layers=2, bidirectional=True)
+    layout = RNNLayout.for_module(m)
+    weights = [w.detach().clone() for w in m._flat_weights]
+    expected = rnn.pack(weights, layout)
+    compiling_flag_on(monkeypatch)
+    assert_same_bits(rnn.pack(weights, layout), expected, "pack")
+    assert_same_bits(rnn.flatten_parameters(m), expected, "flatten_parameters")
+    assert rnn.is_flat(m)
