@@ -7,6 +7,7 @@ import contextvars
 import functools
 import importlib
 import inspect
+import os
 import sys
 
 import torch
@@ -157,6 +158,39 @@ def eager_entry(fn):
     ``strict=False``, a compile session's AOT tracing), so the eager ``fn`` met its own
     guard again and called the eager entry until a ``RecursionError``."""
     return torch._disable_dynamo(fn)
+
+
+# The files of the frames an eager entry puts between its caller and ``fn``
+# (torch._disable_dynamo's wrapper, then torch.compiler.disable's).
+_ENTRY_FILES = tuple(
+    os.path.join(os.path.dirname(torch.__file__), *parts) for parts in (("_compile.py",), ("_dynamo", "eval_frame.py"))
+)
+
+
+def user_stacklevel(stacklevel: int) -> int:
+    """``stacklevel`` for a ``warnings.warn`` made by this function's caller, past an
+    eager entry (:func:`eager_entry`) and the guard that called it, where the frame
+    ``stacklevel`` names is one of them (``stacklevel`` >= 2).
+
+    Called through its eager entry (under ``torch.compile``), a public function's
+    caller is torch's wrapper, not the user's code: a warning with a plain
+    ``stacklevel`` named ``torch/_dynamo/eval_frame.py`` instead of the line that
+    called the function, as it does in eager mode. Call it only where the warning is
+    made (dynamo cannot trace frame walks)."""
+    below = f = sys._getframe(1)
+    for _ in range(stacklevel - 1):
+        if f.f_back is None:
+            return stacklevel
+        below, f = f, f.f_back
+    extra = 0
+    while f is not None and f.f_code.co_filename in _ENTRY_FILES:
+        f = f.f_back
+        extra += 1
+    if extra and f is not None and f.f_code.co_filename == below.f_code.co_filename:
+        # What called the eager entry: the function's own guard (or dynamo's resume of
+        # it after the graph break), in the file of the function the entry ran.
+        extra += 1
+    return stacklevel + extra
 
 
 def clear_launchers() -> None:

@@ -77,7 +77,7 @@ def _warn_minus_one(d, stacklevel: int) -> None:
         warnings.warn(
             "Using -1 to represent CPU tensor is deprecated. Please use a "
             'device object or string instead, e.g., "cpu".',
-            FutureWarning, stacklevel=stacklevel + 1,
+            FutureWarning, stacklevel=_dispatch.user_stacklevel(stacklevel + 1),
         )
 
 

@@ -2049,3 +2049,29 @@ def test_ops_run_eagerly_while_a_torch_tracer_sets_is_compiling(monkeypatch):
     assert_close(rc, sum(y.double() for y in ys), what="reduce_add_coalesced")
     assert [c.shape for c in s] == [(6, 2), (6, 3)], "scatter's chunks"
     assert_close(g, x.double(), what="scatter then gather")
+
+
+def test_gather_minus_one_warning_names_the_callers_line_inside_torch_compile():
+    # Under torch.compile, gather runs through its eager entry, whose torch frames sat
+    # between the warning's stacklevel and the user's code: the FutureWarning named
+    # torch/_dynamo/eval_frame.py (so a filter by module missed it, and "default" showed
+    # it once for all call sites). It names the calling line, as in eager mode.
+    x = rand((4,), torch.float32)
+
+    def step(x):
+        return comm.gather([x * 1, x * 2], 0, -1)
+
+    with pytest.warns(FutureWarning, match="Using -1") as eager:
+        step(x)
+    out, _, _, _ = compiled_run(step, x)
+    assert_close(out, torch.cat([x, 2 * x]).double(), what="gather")
+    import torch._dynamo as dynamo
+
+    dynamo.reset()
+    with pytest.warns(FutureWarning, match="Using -1") as compiled:
+        torch.compile(step, backend="eager")(x)
+    dynamo.reset()
+    for seen in (eager, compiled):
+        w = next(w for w in seen if issubclass(w.category, FutureWarning))
+        assert (w.filename, w.lineno) == (__file__, step.__code__.co_firstlineno + 1), (
+            f"the warning names {w.filename}:{w.lineno}, not the call in step")
