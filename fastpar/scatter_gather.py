@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import torch
 from torch.nn.parallel.parallel_apply import get_a_var
 
-from . import comm
+from . import _dispatch, comm
 from ._functions import Gather, Scatter
 
 __all__ = ["gather", "scatter", "scatter_kwargs"]
@@ -30,6 +30,8 @@ def scatter(inputs, target_gpus, dim=0):
             ``inputs['lengths']``). torch's raises a bare ``IndexError`` or
             ``RuntimeError`` that names neither the tensor nor ``dim``.
     """
+    if torch.compiler.is_dynamo_compiling():  # (see _dispatch.eager_entry)
+        return _scatter_eagerly(inputs, target_gpus, dim)
     return _scatter(inputs, target_gpus, dim, "inputs")
 
 
@@ -108,6 +110,8 @@ def scatter_kwargs(inputs, kwargs, target_gpus, dim=0):
             ``parallel_apply`` then fails an assertion; padding the shorter instead would
             run some replicas without their keyword arguments.
     """
+    if torch.compiler.is_dynamo_compiling():  # (see _dispatch.eager_entry)
+        return _scatter_kwargs_eagerly(inputs, kwargs, target_gpus, dim)
     scattered_inputs = _scatter(inputs, target_gpus, dim, "inputs") if inputs else []
     scattered_kwargs = _scatter(kwargs, target_gpus, dim, "kwargs") if kwargs else []
     if scattered_inputs and scattered_kwargs and len(scattered_inputs) != len(scattered_kwargs):
@@ -137,6 +141,8 @@ def gather(outputs, target_device, dim=0):
     ``target_device`` None means what :func:`fastpar.comm.gather`'s ``destination=None``
     does: the current CUDA device, as torch's ``gather`` takes it, or the CPU for outputs
     of host replicas."""
+    if torch.compiler.is_dynamo_compiling():  # (see _dispatch.eager_entry)
+        return _gather_eagerly(outputs, target_device, dim)
     comm._warn_minus_one(target_device, stacklevel=2)
     dst = None if target_device is None else comm._device(target_device, "target_device")
     gather_dim = comm._as_int(dim)  # (as comm.gather reads it; None: no int, which it names)
@@ -231,3 +237,11 @@ def _same_kind(outs, ok, what: str) -> None:
                 f"replica 0 returned {what} where replica {i} returned {type(o).__name__}; "
                 "the replicas' outputs must have the same structure to be gathered"
             )
+
+
+# What the functions above run when called while dynamo traces (see _dispatch.eager_entry):
+# traced, dynamo went on into the Scatter and Gather autograd functions and broke its
+# graph again inside them (at UntypedStorage.data_ptr, ContextVar.set).
+_scatter_eagerly = _dispatch.eager_entry(scatter)
+_scatter_kwargs_eagerly = _dispatch.eager_entry(scatter_kwargs)
+_gather_eagerly = _dispatch.eager_entry(gather)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import assert_close, rand
+from conftest import assert_close, assert_one_break_per_op, compiled_run, rand
 
 import fastpar
 from fastpar.scatter_gather import gather, scatter, scatter_kwargs
@@ -657,3 +657,24 @@ def test_gather_inside_torch_compile_runs_the_kernels_eagerly():
     out.sum().backward()
     assert torch.equal(a.grad, torch.full_like(a, 2.0))
     torch._dynamo.reset()
+
+
+def test_scatter_and_gather_inside_torch_compile_cost_one_graph_break_each():
+    # Traced, dynamo went on into the Scatter and Gather autograd functions and broke
+    # its graph again inside them (UntypedStorage.data_ptr, ContextVar.set), as it did
+    # in the comm ops before they ran eagerly. Each runs eagerly whole now, one graph
+    # break at its call; values and gradients as eager.
+    x = rand((6, 4), torch.float64).requires_grad_()
+    y = rand((6, 4), torch.float64)
+
+    def step(x, y):
+        parts = scatter((x * 2,), ["cpu", "cpu"])
+        (inputs, kws) = scatter_kwargs((x,), {"y": y}, ["cpu", "cpu"])
+        outs = [p[0] ** 2 + i[0] * k["y"] for p, i, k in zip(parts, inputs, kws)]
+        return gather(outs, "cpu")
+
+    out, breaks, graphs, warned = compiled_run(step, x, y)
+    assert_close(out, 4 * x.detach() ** 2 + x.detach() * y, what="compiled scatter/gather")
+    (grad,) = torch.autograd.grad(out.sum(), x)
+    assert_close(grad, 8 * x.detach() + y, what="x.grad through the compiled scatter/gather")
+    assert_one_break_per_op(breaks, graphs, warned, ["scatter", "scatter_kwargs", "gather"])
