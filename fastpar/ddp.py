@@ -792,7 +792,7 @@ def sync_params(module, src: int = 0, process_group=None) -> None:
         warnings.warn(
             f"sync_params: global rank {dist.get_rank()} does not belong to process_group "
             "(new_group() left it out); nothing is synced on this rank",
-            stacklevel=2,
+            stacklevel=_dispatch.user_stacklevel(2),  # (the caller's line under torch.compile too)
         )
         return
     group = _group_of(process_group, "process_group")

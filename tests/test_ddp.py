@@ -1525,3 +1525,34 @@ def test_compress_hooks_pickle_as_torch_hooks_do(one_rank):
                           "print(pickle.loads(sys.stdin.buffer.read())._fastpar_wire)"],
                          input=data, capture_output=True, timeout=120)
     assert res.returncode == 0 and res.stdout.decode().strip() == "torch.float32", res.stderr.decode()
+
+
+def test_sync_params_nonmember_warning_names_the_callers_line_inside_torch_compile(one_rank):
+    # Under torch.compile, sync_params runs through its eager entry, whose torch frames
+    # sat between the warning's stacklevel and the user's code: the warning for a rank
+    # outside the group named torch/_dynamo/eval_frame.py. It names the calling line,
+    # as in eager mode.
+    import torch._dynamo
+
+    net = Net()
+    before = _state(net)
+
+    def f(x):
+        fddp.sync_params(net, process_group=dist.GroupMember.NON_GROUP_MEMBER)
+        return x * 2
+
+    x = torch.randn(3)
+    torch._dynamo.reset()
+    try:
+        with pytest.warns(UserWarning, match="does not belong to process_group") as eager:
+            f(x)
+        with pytest.warns(UserWarning, match="does not belong to process_group") as compiled:
+            got = torch.compile(f, backend="eager")(x)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(got, x * 2)
+    assert _unchanged(net, before), "a non-member's sync_params changed the module"
+    for seen in (eager, compiled):
+        w = next(w for w in seen if "does not belong" in str(w.message))
+        assert (w.filename, w.lineno) == (__file__, f.__code__.co_firstlineno + 1), (
+            f"the warning names {w.filename}:{w.lineno}, not the call in f")
