@@ -503,6 +503,10 @@ _by_slug: dict = {}
 _status: dict = {}
 #: Set by :func:`forced` (measurement only): (op, backend) -> params for every call.
 _forced: dict | None = None
+#: Bumped whenever a table is read or forgotten: with ``_forced``, what :func:`params`
+#: answers depends on nothing else, so a caller that keeps resolved launches (the DDP
+#: hooks' passes) re-asks only when one of the two changed.
+generation = 0
 
 
 def _untunable(backend: str, device) -> str | None:
@@ -569,6 +573,7 @@ def _load(slug: str, path: Path) -> _Table | None:
 
 
 def _table_for(backend: str, device) -> _Table | None:
+    global generation
     with _lock:
         key = (backend, device)
         if key in _tables:
@@ -584,6 +589,7 @@ def _table_for(backend: str, device) -> _Table | None:
                 _by_slug[slug] = _load(slug, autotune_path(slug))
             table = _by_slug[slug]
         _tables[key] = table
+        generation += 1
         return table
 
 
@@ -628,7 +634,9 @@ def forced(table: dict):
 def reload() -> None:
     """Forget what was read, so the next launch reads the results files again (after a
     tuning run, or after ``FASTPAR_RESULTS_DIR`` changed)."""
+    global generation
     with _lock:
+        generation += 1
         _tables.clear()
         _by_slug.clear()
         _status.clear()

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.autograd.graph import increment_version
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from . import _alloc, _dispatch, _tuning
+from . import _alloc, _dispatch, _env, _tuning
 from ._flatten import flatten_plain, unflatten_into
 from ._plan import Group, plan_for, transient_tensors
 from ._validate import FLOAT_DTYPES, check_conversion
@@ -274,12 +274,24 @@ class _Pass:
     it was resolved for, and ``run(bucket_buf, flat)`` that launches it (None: an empty
     bucket, nothing to launch)."""
 
-    __slots__ = ("backend", "run", "tuned")
+    __slots__ = ("backend", "run", "stamp", "tuned")
 
     def __init__(self, backend: str, tuned: dict, run) -> None:
         self.backend = backend
         self.tuned = tuned
         self.run = run
+        #: _config_stamp() when backend and tuned were last found current.
+        self.stamp = None
+
+
+def _config_stamp() -> tuple:
+    """What a pass's backend and tuned parameters depend on: the :func:`fastpar.use_backend`
+    override in force, ``FASTPAR_BACKEND`` as set, and the tuning state (a forced table,
+    the tables read). Unchanged since a pass was resolved, the pass stands: asking
+    :func:`fastpar._dispatch.backend_for_type` and :func:`fastpar._tuning.params` every
+    call cost 5-8 us of a 1 MB compress pass's 35-45 us, right after the kernel's
+    1.5 MB had gone through the caches (1.5 us in a quiet loop)."""
+    return _dispatch._override.get(), _env._get("FASTPAR_BACKEND"), _tuning._forced, _tuning.generation
 
 
 def _bind_numba(op: str, group: Group, flat: torch.Tensor, scale, divide: bool, tuned: dict):
@@ -310,27 +322,36 @@ def _launch(op: str, entry: _Bucket, bucket_buf: torch.Tensor, flat: torch.Tenso
     ``scale`` multiplies the bucket in place by ``scale`` (divides by it if ``divide``;
     ``flat`` is then the bucket itself).
 
-    The launch is resolved once per bucket and pass and reused every step: the backend
-    and the tuned parameters are still looked up per call (a ``FASTPAR_BACKEND`` or
-    :func:`fastpar.use_backend` change, a re-read or forced tuning table, takes effect
-    at the next call), and the launch is resolved again when either changed. On Numba
+    The launch is resolved once per bucket and pass and reused every step. What the
+    backend and the tuned parameters depend on is checked every call (a
+    ``FASTPAR_BACKEND`` or :func:`fastpar.use_backend` change, a re-read or forced
+    tuning table, takes effect at the next call: see :func:`_config_stamp`), and the
+    launch is resolved again when either changed. On Numba
     a tuned ``chunk`` is used but not ``parallel_min_bytes``: bucket passes run on every
     core from 1 MiB (``_BUCKET_PARALLEL_MIN_BYTES``)."""
-    backend = _dispatch.backend_for_type(entry.device_type)
-    if op == "flatten":
-        src_dtype, dst_dtype = bucket_buf.dtype, flat.dtype
-    else:
-        src_dtype, dst_dtype = flat.dtype, bucket_buf.dtype
-    # The same dict object while the tuning table is unchanged (see _tuning.params).
-    tuned = _tuning.params(op, backend, src_dtype, dst_dtype, bucket_buf.numel())
     key = (op, flat.data_ptr(), flat.dtype, scale, divide)
     p = entry.passes.get(key)
-    if p is None or p.backend != backend or p.tuned is not tuned:
-        if len(entry.passes) >= _MAX_PASSES_PER_BUCKET:
-            # A backend handing back a new result tensor every step would otherwise add
-            # a pass per step (gloo and NCCL return the hook's own buffer).
-            entry.passes.clear()
-        p = entry.passes[key] = _Pass(backend, tuned, _bind(op, backend, entry, flat, scale, divide, tuned))
+    stamp = _config_stamp()
+    while p is None or p.stamp != stamp:
+        backend = _dispatch.backend_for_type(entry.device_type)
+        if op == "flatten":
+            src_dtype, dst_dtype = bucket_buf.dtype, flat.dtype
+        else:
+            src_dtype, dst_dtype = flat.dtype, bucket_buf.dtype
+        # The same dict object while the tuning table is unchanged (see _tuning.params).
+        tuned = _tuning.params(op, backend, src_dtype, dst_dtype, bucket_buf.numel())
+        if p is None or p.backend != backend or p.tuned is not tuned:
+            if len(entry.passes) >= _MAX_PASSES_PER_BUCKET:
+                # A backend handing back a new result tensor every step would otherwise
+                # add a pass per step (gloo and NCCL return the hook's own buffer).
+                entry.passes.clear()
+            p = entry.passes[key] = _Pass(backend, tuned, _bind(op, backend, entry, flat, scale, divide, tuned))
+        # Current if nothing moved while it was resolved; else (a table read on first use,
+        # typically this very call's) ask again.
+        now = _config_stamp()
+        if now == stamp:
+            p.stamp = stamp
+        stamp = now
     if p.run is not None:
         p.run(bucket_buf, flat)
     if op != "flatten":
