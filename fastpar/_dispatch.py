@@ -46,6 +46,14 @@ def _requested() -> str:
     return name
 
 
+def request_state() -> tuple:
+    """What :func:`backend_for_type` reads besides the device type: the
+    :func:`use_backend` override in force and ``FASTPAR_BACKEND`` as set. While it is
+    unchanged the answer is too, so a caller that keeps a resolved backend (the DDP
+    hooks' passes) compares this instead of asking again."""
+    return _override.get(), _env._get("FASTPAR_BACKEND")
+
+
 def backend_for(device) -> str:
     """The backend that runs ops on ``device`` (a torch.device or a device string;
     ``FASTPAR_BACKEND`` or :func:`use_backend` override ``auto``)."""

@@ -503,9 +503,7 @@ _by_slug: dict = {}
 _status: dict = {}
 #: Set by :func:`forced` (measurement only): (op, backend) -> params for every call.
 _forced: dict | None = None
-#: Bumped whenever a table is read or forgotten: with ``_forced``, what :func:`params`
-#: answers depends on nothing else, so a caller that keeps resolved launches (the DDP
-#: hooks' passes) re-asks only when one of the two changed.
+#: Bumped whenever a table is read or forgotten (see :func:`state`).
 generation = 0
 
 
@@ -615,6 +613,13 @@ def params(op: str, backend: str, src_dtype, dst_dtype, numel: int, device=None)
     if table is None:
         return _EMPTY
     return table.lookup(op, backend, src_dtype, dst_dtype, numel)
+
+
+def state() -> tuple:
+    """What :func:`params` reads besides its arguments: the forced table and the
+    generation of the tables read. While it is unchanged the answers are too (callers
+    that keep resolved launches compare it instead of asking again)."""
+    return _forced, generation
 
 
 @contextlib.contextmanager

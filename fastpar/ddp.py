@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.autograd.graph import increment_version
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from . import _alloc, _dispatch, _env, _tuning
+from . import _alloc, _dispatch, _tuning
 from ._flatten import flatten_plain, unflatten_into
 from ._plan import Group, plan_for, transient_tensors
 from ._validate import FLOAT_DTYPES, check_conversion
@@ -291,7 +291,7 @@ def _config_stamp() -> tuple:
     :func:`fastpar._dispatch.backend_for_type` and :func:`fastpar._tuning.params` every
     call cost 5-8 us of a 1 MB compress pass's 35-45 us, right after the kernel's
     1.5 MB had gone through the caches (1.5 us in a quiet loop)."""
-    return _dispatch._override.get(), _env._get("FASTPAR_BACKEND"), _tuning._forced, _tuning.generation
+    return _dispatch.request_state(), _tuning.state()
 
 
 def _bind_numba(op: str, group: Group, flat: torch.Tensor, scale, divide: bool, tuned: dict):
