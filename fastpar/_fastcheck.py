@@ -532,9 +532,16 @@ def _make_numba_check():
             ok = ok and not check_meta(probe, ids, impls, meta)
         except Exception:
             ok = False
+        def check_one(t, ids, impls, meta) -> bool:
+            # One tensor (an op's flat buffer), always on this thread, and not through
+            # ``kernels``: tests spy there on the plan checks alone.
+            lst = [t]
+            return _same_meta(id(lst), 1, ids, impls, meta, proto)
+
         if ok:
             check.snapshot = snapshot
             check.check_meta = check_meta
+            check.check_one = check_one
             check.meta_kernels = kernels
 
     # Self-test against the Python answers before trusting the layout assumptions.
@@ -595,6 +602,26 @@ def metadata_snapshot(tensors: tuple, numels: np.ndarray, dtypes: list):
         if (meta[:, 0] >= 0).all() and np.array_equal(meta[:, 11], numels) and consistent:
             return meta, None
     return None, metadata_guard(tensors)
+
+
+def snapshot_one(t: torch.Tensor):
+    """What :func:`same_one` compares ``t`` with later: its identity and a snapshot of
+    its metadata (data pointer, dtype, sizes, strides, storage and its size, dispatch
+    keys), or None where the compiled check is not available for it (no calibration,
+    more than 5 dimensions)."""
+    snapshot = getattr(_checker(), "snapshot", None)
+    if snapshot is None:
+        return None
+    meta = snapshot([t])
+    if meta[0, 0] < 0 or meta[0, 11] != t.numel():
+        return None
+    return np.array([id(t)], np.int64), np.array([t._cdata], np.int64), meta
+
+
+def same_one(t: torch.Tensor, snap) -> bool:
+    """True if ``t`` is the tensor object ``snap`` (from :func:`snapshot_one`) was taken
+    of and none of its metadata changed since (about a microsecond)."""
+    return _numba_check.check_one(t, *snap)
 
 
 def same_tensors(tensors, plan) -> bool:

@@ -2,18 +2,22 @@
 launch per call and device (one per dtype group when the tensors mix dtypes)."""
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.autograd.graph import increment_version
 from torch.overrides import handle_torch_function, has_torch_function
 
 from . import _alloc, _dispatch, _tuning
-from ._fastcheck import increment_versions
+from ._fastcheck import increment_versions, same_one, snapshot_one
 from ._plan import plan_for
 from ._validate import (
     check_conversion,
     check_dtype,
     check_flat,
     check_no_overlap,
+    check_not_inference,
+    check_not_recorded,
     check_scale,
     check_writable,
 )
@@ -173,19 +177,131 @@ def _flatten_planned(plan, dtype, scale, out):
         dtype = plan.dtypes[0]
     dtype = check_dtype(dtype, "dtype")
     scale = check_scale(scale)
+    key = ("flatten", dtype, scale)
+    if out is not None:
+        bound = _bound_for(plan, key, out)
+        if bound is not None:  # out and the plan as the last call saw them: checked then
+            check_not_inference(out, "out")
+            check_not_recorded(out, "out")
+            bound.run()
+            increment_version(out)
+            return out
     for g in plan.groups:
         check_conversion(g.dtype, dtype, scale, "flatten")
+    given = out is not None
     if out is None:
         out, _ = _alloc.RESULTS.empty(plan.numel, dtype, plan.device)  # a dead result's buffer, else new
     else:
         check_flat(out, "out", numel=plan.numel, dtype=dtype, device=plan.device, written=True)
         check_no_overlap(plan, out, "out", "tensors")
     backend, launch = _dispatch.kernel("flatten", plan.device)
-    groups, _ = _staged_groups(plan, fill=True)
-    for g in groups:
-        launch(g, out, scale, **_tuning.params("flatten", backend, g.dtype, out.dtype, plan.numel))
+    bound = _bind(plan, key, out, given, backend)
+    if bound is not None:
+        bound.run()
+    else:
+        groups, _ = _staged_groups(plan, fill=True)
+        for g in groups:
+            launch(g, out, scale, **_tuning.params("flatten", backend, g.dtype, out.dtype, plan.numel))
     increment_version(out)
     return out
+
+
+# ---------------------------------------------------------------------------
+# Bound calls. In a training loop the same tensors go to the same buffer call after
+# call; a cached plan then keeps the call's Numba launches with every argument resolved
+# (_Bound), and the next call with the same buffer object, unchanged, skips what cannot
+# have changed: the buffer's checks (one compiled metadata comparison instead), the
+# backend and tuning look-ups and the launch set-up. That Python cost 40-60 us a call
+# right after a kernel had streamed its data through the caches (5-15 us in a quiet
+# loop), as much as the copy of a 2.6 MB parameter list.
+
+#: Bound calls a plan keeps. A caller passing a new scale every call would add one a
+#: call; past this many the plan forgets them and starts again.
+_MAX_BOUND = 4
+
+
+class _Bound:
+    """One resolved call of a plan: its launches, and what they were resolved for."""
+
+    __slots__ = ("state", "launcher", "flat_ptr", "flat_ref", "flat_snap", "launches")
+
+    def run(self) -> None:
+        for launch in self.launches:
+            launch()
+
+
+def _current(plan, key):
+    """The plan's bound call for ``key`` if nothing it was resolved with changed since:
+    the backend request, the tuning tables, torch's thread count (together
+    :func:`fastpar._tuning.resolution_state`), and the Numba launcher (tests replace it)."""
+    memo = plan.__dict__.get("_bound")
+    bound = None if memo is None else memo.get(key)
+    if (bound is None or bound.state != _tuning.resolution_state()
+            or _dispatch._kernel("numba", key[0]) is not bound.launcher):
+        return None
+    return bound
+
+
+def _bound_for(plan, key, flat):
+    """The plan's bound call for ``key`` if ``flat`` (a caller's buffer) is the tensor
+    object it was bound for, with the same data pointer, dtype, sizes, strides and
+    storage (so every check made on it then still holds); else None."""
+    bound = _current(plan, key)
+    if bound is None or bound.flat_ref is None or bound.flat_ref() is not flat or not same_one(flat, bound.flat_snap):
+        return None
+    return bound
+
+
+def _bind(plan, key, flat, given: bool, backend: str):
+    """The bound call of ``key`` (an op, the flat buffer's dtype, the scale) between a
+    checked ``plan`` and a checked ``flat``, made or reused; None where calls are not
+    bound: another backend, non-contiguous tensors (staged through new temporaries every
+    call), a plan that is not cached."""
+    if backend != "numba" or len(plan.noncontig) or plan.meta is None and plan.guard is None:
+        return None
+    from .kernels.ops_numba import flatten as numba_flatten
+
+    op = key[0]
+    launcher = _dispatch._kernel("numba", op)
+    if launcher is not getattr(numba_flatten, op):
+        return None
+    bound = _current(plan, key)
+    ptr = flat.data_ptr()
+    if bound is None or bound.flat_ptr != ptr:
+        bound = _Bound()
+        bound.launcher = launcher
+        bound.flat_ptr = ptr
+        to_flat = op == "flatten"
+        state = None
+        while state != _tuning.resolution_state():
+            # Bound again if anything moved meanwhile (a first read of the tuning
+            # tables, typically this very call's, bumps their generation).
+            state = _tuning.resolution_state()
+            launches = []
+            for g in plan.groups:
+                src, dst = (g.dtype, flat.dtype) if to_flat else (flat.dtype, g.dtype)
+                launch = numba_flatten.bind_copy(g, flat, key[2], to_flat,
+                                                 **_tuning.params(op, backend, src, dst, plan.numel))
+                if launch is not None:
+                    launches.append(launch)
+        bound.state = state
+        bound.launches = tuple(launches)
+    elif not given or (bound.flat_ref is not None and bound.flat_ref() is flat
+                       and same_one(flat, bound.flat_snap)):
+        return bound
+    else:  # the same memory through another tensor object, or changed: bind this one
+        old, bound = bound, _Bound()
+        bound.state, bound.launcher, bound.flat_ptr, bound.launches = old.state, old.launcher, ptr, old.launches
+    bound.flat_ref = bound.flat_snap = None
+    if given:
+        snap = snapshot_one(flat)
+        if snap is not None:
+            bound.flat_ref, bound.flat_snap = weakref.ref(flat), snap
+    memo = plan.__dict__.setdefault("_bound", {})
+    if key not in memo and len(memo) >= _MAX_BOUND:
+        memo.clear()
+    memo[key] = bound
+    return bound
 
 
 def unflatten(flat, tensors):
@@ -275,8 +391,16 @@ def unflatten_into(flat, tensors, *, scale=None) -> None:
         check_scale(scale)
         return
     plan = plan_for(tensors, "tensors")
+    if scale is None or type(scale) is float:  # (else checked and read first, below)
+        bound = _bound_for(plan, ("unflatten_into", getattr(flat, "dtype", None), scale), flat)
+        if bound is not None:  # flat and the plan as the last call saw them: checked then
+            check_writable(plan, "tensors")
+            bound.run()
+            increment_versions(plan.tensors, plan.impls)
+            return
     check_flat(flat, "flat", numel=plan.numel, dtype=None, device=plan.device)
     scale = check_scale(scale)
+    key = ("unflatten_into", flat.dtype, scale)
     for g in plan.groups:
         check_conversion(flat.dtype, g.dtype, scale, "unflatten_into")
     check_no_overlap(plan, flat, "flat", "tensors")
@@ -296,14 +420,20 @@ def unflatten_into(flat, tensors, *, scale=None) -> None:
                 f"{plan.tensors[i].stride()}): writing into it is ambiguous"
             )
     backend, launch = _dispatch.kernel("unflatten_into", plan.device)
-    groups, pending = _staged_groups(plan, fill=False)
-    for g in groups:
-        launch(g, flat, scale, **_tuning.params("unflatten_into", backend, flat.dtype, g.dtype, plan.numel))
-    with torch.no_grad():  # writes bypass autograd, as for the contiguous tensors
-        for dst, tmp in pending:
-            # Through .data (an alias with a version counter of its own): the line below
-            # bumps dst's version, once, as for every other tensor (dst.copy_ bumped it too).
-            dst.data.copy_(tmp)
+    bound = _bind(plan, key, flat, True, backend)
+    if bound is not None:
+        bound.run()
+    else:
+        groups, pending = _staged_groups(plan, fill=False)
+        for g in groups:
+            launch(g, flat, scale, **_tuning.params("unflatten_into", backend, flat.dtype, g.dtype, plan.numel))
+        if pending:
+            with torch.no_grad():  # writes bypass autograd, as for the contiguous tensors
+                for dst, tmp in pending:
+                    # Through .data (an alias with a version counter of its own): the line
+                    # below bumps dst's version, once, as for every other tensor (dst.copy_
+                    # bumped it too).
+                    dst.data.copy_(tmp)
     increment_versions(plan.tensors, plan.impls)
 
 

@@ -622,6 +622,15 @@ def state() -> tuple:
     return _forced, generation
 
 
+def resolution_state() -> tuple:
+    """What a launch resolved once and kept (its backend, launcher and tuned parameters,
+    as the DDP hooks' passes and the ops' bound calls keep them) depends on besides its
+    tensors: the backend request (:func:`fastpar._dispatch.request_state`), the tuning
+    state (:func:`state`) and torch's thread count (where torch runs on one thread the
+    Numba launch is bound serial). Keepers compare it and resolve again when it changed."""
+    return _dispatch.request_state(), _forced, generation, torch.get_num_threads()
+
+
 @contextlib.contextmanager
 def forced(table: dict):
     """Within the block, every launch of ``(op, backend)`` in ``table`` gets

@@ -285,13 +285,14 @@ class _Pass:
 
 
 def _config_stamp() -> tuple:
-    """What a pass's backend and tuned parameters depend on: the :func:`fastpar.use_backend`
-    override in force, ``FASTPAR_BACKEND`` as set, and the tuning state (a forced table,
-    the tables read). Unchanged since a pass was resolved, the pass stands: asking
+    """What a pass's backend and tuned parameters depend on
+    (:func:`fastpar._tuning.resolution_state`: the :func:`fastpar.use_backend` override in
+    force, ``FASTPAR_BACKEND`` as set, the tuning state, torch's thread count).
+    Unchanged since a pass was resolved, the pass stands: asking
     :func:`fastpar._dispatch.backend_for_type` and :func:`fastpar._tuning.params` every
     call cost 5-8 us of a 1 MB compress pass's 35-45 us, right after the kernel's
     1.5 MB had gone through the caches (1.5 us in a quiet loop)."""
-    return _dispatch.request_state(), _tuning.state()
+    return _tuning.resolution_state()
 
 
 def _bind_numba(op: str, group: Group, flat: torch.Tensor, scale, divide: bool, tuned: dict):

@@ -1272,6 +1272,270 @@ def test_plan_cache_sees_copy_on_write_clone():
     assert b.tolist() == [1.0] * 4, "the write reached a copy-on-write clone"
 
 
+# ---------------------------------------------------------------------------------------
+# Bound calls: a cached plan keeps its Numba launches resolved for the buffer of its last
+# call (fastpar._flatten._Bound); the next call with that buffer object, unchanged,
+# skips the buffer's checks and the backend, tuning and launch set-up.
+
+
+def _bound_setup():
+    ts = [rand((300,), torch.float32), rand((7, 5), torch.float32), rand((1,), torch.float32)]
+    n = sum(t.numel() for t in ts)
+    return ts, n
+
+
+def test_repeated_calls_skip_the_checks_and_lookups_until_something_changes(monkeypatch):
+    # That Python cost 40-60 us a call right after the kernel had streamed its data
+    # (a 2.6 MB parameter list's unflatten_into: 130-175 us, torch._foreach_copy_ 80-110;
+    # now 73-82). Each change of what a call was resolved with still counts at the next.
+    from fastpar import _dispatch, _flatten, _tuning
+    from fastpar.kernels.ops_numba import flatten as numba_flatten
+
+    monkeypatch.delenv("FASTPAR_BACKEND", raising=False)
+    ts, n = _bound_setup()
+    out = torch.empty(n, dtype=torch.bfloat16)
+    dst = [torch.empty_like(t) for t in ts]
+    flat = rand((n,), torch.float32)
+    asked = []
+
+    def spy(module, name):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, **kw: asked.append(name) or real(*a, **kw))
+
+    spy(_flatten, "check_flat")
+    spy(_tuning, "params")
+    spy(_dispatch, "kernel")
+    spy(numba_flatten, "bind_copy")
+
+    def asks(expected_launches):
+        k = len(asked)
+        poison_(out)
+        for d in dst:
+            poison_(d)
+        with fastpar.count_launches() as launches:
+            assert fastpar.flatten(ts, dtype=torch.bfloat16, scale=0.5, out=out) is out
+            fastpar.unflatten_into(flat, dst, scale=2.0)
+        assert_close(out, ref_flat(ts, scale=0.5), dtype=torch.bfloat16, what="flatten")
+        for i, d in enumerate(dst):
+            assert_close(d, ref_flat([flat])[ref_offsets(ts)[i]:ref_offsets(ts)[i + 1]].reshape(d.shape) * 2.0,
+                         dtype=torch.float32, what=f"unflatten_into, tensor {i}")
+        assert dict(launches.by_op) == expected_launches
+        return len(asked) - k
+
+    numba = {("numba", "flatten"): 1, ("numba", "unflatten_into"): 1}
+    assert asks(numba) > 0
+    assert [asks(numba) for _ in range(3)] == [0, 0, 0], "nothing changed: the bound calls must stand"
+    monkeypatch.setenv("FASTPAR_BACKEND", "torch")
+    assert asks({}) > 0 and asks({}) > 0  # the torch backend binds nothing: every call asks
+    monkeypatch.delenv("FASTPAR_BACKEND")
+    # Back as it was: the Numba binding, left in place, stands again unless the other
+    # backend's first look-ups read a tuning table (which moves the generation).
+    asks(numba)
+    assert asks(numba) == 0
+    with fastpar.use_backend("triton"):
+        triton = {("triton", "flatten"): 1, ("triton", "unflatten_into"): 1}
+        assert asks(triton) > 0 and asks(triton) > 0
+    asks(numba)
+    assert asks(numba) == 0
+    _tuning.reload()  # the tables are read again: so are the parameters
+    assert asks(numba) > 0 and asks(numba) == 0
+    with _tuning.forced({("flatten", "numba"): {"chunk": 64}, ("unflatten_into", "numba"): {"chunk": 64}}):
+        assert asks(numba) > 0 and asks(numba) == 0
+    assert asks(numba) > 0 and asks(numba) == 0
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # bound serial now
+        assert asks(numba) > 0 and asks(numba) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert asks(numba) > 0 and asks(numba) == 0
+    other = torch.empty(n, dtype=torch.bfloat16)
+    poison_(other)
+    fastpar.flatten(ts, dtype=torch.bfloat16, scale=0.5, out=other)  # another buffer: checked, bound to it
+    assert_close(other, ref_flat(ts, scale=0.5), dtype=torch.bfloat16, what="another out")
+    assert asks(numba) > 0 and asks(numba) == 0
+
+
+def ref_offsets(ts) -> list:
+    offs = [0]
+    for t in ts:
+        offs.append(offs[-1] + t.numel())
+    return offs
+
+
+_BUFFER_CHANGES = {
+    # change -> (what the next flatten(out=) must do: raise this, or None: write the new memory)
+    "resize_smaller": (ValueError, "exactly"),
+    "resize_larger": (ValueError, "exactly"),
+    "set_other_storage": (None, None),
+    "data_other_tensor": (None, None),
+    "data_other_dtype": (TypeError, "dtype"),
+    "as_strided_noncontiguous": (ValueError, "contiguous"),
+    "storage_shrunk": (ValueError, "storage"),
+    "requires_grad": (RuntimeError, "requires grad"),
+    "view_as_2d": (ValueError, "1-D"),
+}
+
+
+def _change_buffer(buf: torch.Tensor, change: str) -> None:
+    n = buf.numel()
+    if change == "resize_smaller":
+        buf.resize_(n - 1)
+    elif change == "resize_larger":
+        buf.resize_(n + 1)
+    elif change == "set_other_storage":
+        buf.set_(torch.empty(n, dtype=buf.dtype).untyped_storage())
+    elif change == "data_other_tensor":
+        buf.data = torch.empty(n, dtype=buf.dtype)
+    elif change == "data_other_dtype":
+        buf.data = torch.empty(n, dtype=torch.int32)
+    elif change == "as_strided_noncontiguous":
+        buf.as_strided_((n // 2,), (2,))
+    elif change == "storage_shrunk":
+        buf.untyped_storage().resize_(buf.untyped_storage().nbytes() - 4)
+    elif change == "requires_grad":
+        buf.requires_grad_(True)
+    elif change == "view_as_2d":
+        buf.as_strided_((1, n), (n, 1))
+
+
+@pytest.mark.parametrize("change", _BUFFER_CHANGES)
+def test_bound_flatten_sees_its_out_changed_in_place(change):
+    """After calls that bound ``out``, the same object changed in place is checked
+    again: refused as a new one would be (writing nothing), or written at its new
+    memory (the old memory left alone)."""
+    ts, n = _bound_setup()
+    out = torch.empty(n)
+    for _ in range(3):  # bound, then used bound
+        fastpar.flatten(ts, out=poison_(out))
+    assert torch.equal(out, torch.cat([t.reshape(-1) for t in ts]))
+    old_memory = out.detach().view(-1)  # the memory it was bound to (an alias)
+    poison_(old_memory)
+    _change_buffer(out, change)
+    exc, match = _BUFFER_CHANGES[change]
+    if exc is not None:
+        before = snapshot([old_memory]) + ([] if change in ("storage_shrunk",) else snapshot([out.detach()]))
+        with pytest.raises(exc, match=match):
+            fastpar.flatten(ts, out=out)
+        assert_unchanged([old_memory] + ([] if change in ("storage_shrunk",) else [out.detach()]), before, what=change)
+        return
+    poison_(out)
+    assert fastpar.flatten(ts, out=out) is out
+    assert torch.equal(out, torch.cat([t.reshape(-1) for t in ts])), f"{change}: not written at its new memory"
+    assert old_memory.isnan().all(), f"{change}: the old memory was written"
+
+
+
+def test_bound_flatten_does_not_write_through_to_a_lazy_clone_of_out():
+    # A copy-on-write clone shares out's storage at the same address: torch's own writes
+    # (and fastpar's checks, through data_ptr()) un-share it first. The bound call's
+    # metadata comparison must send the call there too.
+    ts, n = _bound_setup()
+    out = torch.empty(n)
+    for _ in range(3):
+        fastpar.flatten(ts, out=out)
+    clone = torch._lazy_clone(out)
+    before = snapshot([clone])
+    ts[0].add_(1.0)
+    fastpar.flatten(ts, out=out)
+    assert_unchanged([clone], before, what="the lazy clone of out")
+    assert torch.equal(out, torch.cat([t.reshape(-1) for t in ts]))
+
+@pytest.mark.parametrize("change", ["resize_smaller", "resize_larger", "set_other_storage", "data_other_tensor",
+                                    "data_other_dtype", "as_strided_noncontiguous", "storage_shrunk", "view_as_2d"])
+def test_bound_unflatten_into_sees_its_flat_changed_in_place(change):
+    """The same for ``unflatten_into``'s ``flat``: refused when no longer fit, else
+    read at its new memory (``flat`` is only read: requiring grad does not matter)."""
+    ts, n = _bound_setup()
+    flat = rand((n,), torch.float32)
+    for _ in range(3):
+        fastpar.unflatten_into(flat, [poison_(t) for t in ts])
+    _change_buffer(flat, change)
+    if change == "data_other_dtype":  # int32 -> float32 is a conversion unflatten_into makes
+        flat.copy_(torch.randint(-1000, 1000, (n,), dtype=torch.int32))
+        exc = None
+    else:
+        exc = _BUFFER_CHANGES[change][0]
+    if exc is not None:
+        before = snapshot(ts)
+        with pytest.raises(exc):
+            fastpar.unflatten_into(flat, ts)
+        assert_unchanged(ts, before, what=change)
+        return
+    flat.copy_(rand((n,), flat.dtype)) if flat.dtype.is_floating_point else None
+    fastpar.unflatten_into(flat, [poison_(t) for t in ts])
+    offs = ref_offsets(ts)
+    for i, t in enumerate(ts):
+        assert torch.equal(t, flat[offs[i]:offs[i + 1]].to(t.dtype).reshape(t.shape)), f"{change}: tensor {i}"
+
+
+def test_bound_calls_check_what_the_call_mode_decides():
+    """Grad mode and inference mode are read every call: an ``out`` requiring grad is
+    written under no_grad and refused with grad on, an inference ``out`` written inside
+    inference mode is refused outside it, whatever was bound before."""
+    ts, n = _bound_setup()
+    out = torch.zeros(n, requires_grad=True)
+    with torch.no_grad():
+        for _ in range(3):
+            fastpar.flatten(ts, out=poison_(out))
+    assert torch.equal(out.detach(), torch.cat([t.reshape(-1) for t in ts]))
+    with pytest.raises(RuntimeError, match="requires grad"):
+        fastpar.flatten(ts, out=out)
+    with torch.inference_mode():
+        inf = torch.empty(n)
+        for _ in range(3):
+            fastpar.flatten(ts, out=poison_(inf))
+    with pytest.raises(RuntimeError, match="inference"):
+        fastpar.flatten(ts, out=inf)
+    with torch.inference_mode():
+        dst = [torch.empty_like(t) for t in ts]
+        for _ in range(3):
+            fastpar.unflatten_into(torch.cat([t.reshape(-1) for t in ts]), dst)
+    flat = torch.cat([t.reshape(-1) for t in ts])
+    before = snapshot(dst)
+    with pytest.raises(RuntimeError, match="inference"):
+        fastpar.unflatten_into(flat, dst)
+    assert_unchanged(dst, before, what="inference destinations")
+
+
+def test_bound_calls_hold_no_buffer_and_are_bounded():
+    import gc
+    import weakref
+
+    from fastpar import _flatten
+    from fastpar._plan import plan_for
+
+    ts, n = _bound_setup()
+    out = torch.empty(n)
+    fastpar.flatten(ts, out=out)
+    fastpar.flatten(ts, out=out)
+    alive = weakref.ref(out)
+    del out
+    gc.collect()
+    assert alive() is None, "a bound call keeps its out buffer alive"
+    plan = plan_for(ts, "tensors")
+    out = torch.empty(n)
+    for k in range(3 * _flatten._MAX_BOUND):  # a new scale every call: one binding each
+        scale = 0.5 + k
+        fastpar.flatten(ts, scale=scale, out=poison_(out))
+        assert_close(out, ref_flat(ts, scale=scale), dtype=torch.float32, what=f"scale {scale}")
+        assert len(plan.__dict__["_bound"]) <= _flatten._MAX_BOUND
+
+
+def test_bound_calls_follow_a_buffer_seen_through_new_tensor_objects():
+    """The same memory passed as a new view each call (``buf[:n]``) is checked each
+    call (another object) and written right; a view of other memory likewise."""
+    ts, n = _bound_setup()
+    buf = torch.empty(2 * n)
+    for start in (0, 0, 0, n, n, 0):
+        poison_(buf)
+        fastpar.flatten(ts, out=buf[start:start + n])
+        expected = torch.cat([t.reshape(-1) for t in ts])
+        assert torch.equal(buf[start:start + n], expected), start
+        rest = torch.cat([buf[:start], buf[start + n:]])
+        assert rest.isnan().all(), f"out={start}: written outside its view"
+
+
 def test_fast_paths_calibrate_even_when_first_used_in_inference_mode():
     import subprocess
     import sys
