@@ -2,6 +2,7 @@
 launch per call and device (one per dtype group when the tensors mix dtypes)."""
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -177,7 +178,7 @@ def _flatten_planned(plan, dtype, scale, out):
         dtype = plan.dtypes[0]
     dtype = check_dtype(dtype, "dtype")
     scale = check_scale(scale)
-    key = ("flatten", dtype, scale)
+    key = _key("flatten", dtype, scale)
     if out is not None:
         bound = _bound_for(plan, key, out)
         if bound is not None:  # out and the plan as the last call saw them: checked then
@@ -218,6 +219,13 @@ def _flatten_planned(plan, dtype, scale, out):
 #: Bound calls a plan keeps. A caller passing a new scale every call would add one a
 #: call; past this many the plan forgets them and starts again.
 _MAX_BOUND = 4
+
+
+def _key(op: str, dtype, scale) -> tuple:
+    """The key of a bound call: ``op``, the flat buffer's dtype and the scale, whose sign
+    is kept apart for a zero: -0.0 == 0.0 and both hash alike, yet they scale to zeros
+    of opposite signs, so a call bound for one must not answer the other."""
+    return (op, dtype, scale) if scale != 0.0 else (op, dtype, scale, math.copysign(1.0, scale))
 
 
 class _Bound:
@@ -392,7 +400,7 @@ def unflatten_into(flat, tensors, *, scale=None) -> None:
         return
     plan = plan_for(tensors, "tensors")
     if scale is None or type(scale) is float:  # (else checked and read first, below)
-        bound = _bound_for(plan, ("unflatten_into", getattr(flat, "dtype", None), scale), flat)
+        bound = _bound_for(plan, _key("unflatten_into", getattr(flat, "dtype", None), scale), flat)
         if bound is not None:  # flat and the plan as the last call saw them: checked then
             check_writable(plan, "tensors")
             bound.run()
@@ -400,7 +408,7 @@ def unflatten_into(flat, tensors, *, scale=None) -> None:
             return
     check_flat(flat, "flat", numel=plan.numel, dtype=None, device=plan.device)
     scale = check_scale(scale)
-    key = ("unflatten_into", flat.dtype, scale)
+    key = _key("unflatten_into", flat.dtype, scale)
     for g in plan.groups:
         check_conversion(flat.dtype, g.dtype, scale, "unflatten_into")
     check_no_overlap(plan, flat, "flat", "tensors")

@@ -1536,6 +1536,26 @@ def test_bound_calls_follow_a_buffer_seen_through_new_tensor_objects():
         assert rest.isnan().all(), f"out={start}: written outside its view"
 
 
+def test_bound_calls_tell_a_negative_zero_scale_from_zero():
+    """-0.0 == 0.0, and the two hash alike: a call bound for ``scale=0.0`` answered the
+    next one with ``scale=-0.0`` (and the reverse), giving every zero the wrong sign
+    (torch's ``x * -0.0`` is -0.0 for positive ``x``)."""
+    from conftest import assert_same_bits
+
+    ts, n = _bound_setup()
+    out = torch.empty(n)
+    dst = [torch.empty_like(t) for t in ts]
+    flat = rand((n,), torch.float32)
+    offs = ref_offsets(ts)
+    for scale in (0.0, 0.0, 0.0, -0.0, -0.0, 0.0, -0.0):
+        fastpar.flatten(ts, scale=scale, out=poison_(out))
+        assert_same_bits(out, torch.cat([t.reshape(-1) for t in ts]) * scale, f"flatten, scale {scale}")
+        fastpar.unflatten_into(flat, [poison_(d) for d in dst], scale=scale)
+        for i, d in enumerate(dst):
+            assert_same_bits(d, (flat[offs[i]:offs[i + 1]] * scale).reshape(d.shape),
+                             f"unflatten_into, scale {scale}, tensor {i}")
+
+
 def test_fast_paths_calibrate_even_when_first_used_in_inference_mode():
     import subprocess
     import sys
