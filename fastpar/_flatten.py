@@ -3,7 +3,6 @@ launch per call and device (one per dtype group when the tensors mix dtypes)."""
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 from torch.autograd.graph import increment_version
@@ -231,7 +230,7 @@ def _key(op: str, dtype, scale) -> tuple:
 class _Bound:
     """One resolved call of a plan: its launches, and what they were resolved for."""
 
-    __slots__ = ("state", "launcher", "flat_ptr", "flat_ref", "flat_snap", "launches")
+    __slots__ = ("state", "launcher", "flat_ptr", "flat_snap", "launches")
 
     def run(self) -> None:
         for launch in self.launches:
@@ -253,9 +252,17 @@ def _current(plan, key):
 def _bound_for(plan, key, flat):
     """The plan's bound call for ``key`` if ``flat`` (a caller's buffer) is the tensor
     object it was bound for, with the same data pointer, dtype, sizes, strides and
-    storage (so every check made on it then still holds); else None."""
+    storage (so every check made on it then still holds); else None.
+
+    No reference to the buffer is kept, not even a weak one: ``torch.utils.swap_tensors``
+    refuses a tensor that has one (as ``nn.Module`` conversions swap parameters). The
+    comparison needs none: it reads only through ``flat`` (its id, then the TensorImpl
+    it holds, so only a tensor is handed to it: another object could hold anything
+    there), and a tensor that took a dead buffer's id, TensorImpl, storage, DataPtr and
+    sizes is a buffer every check made then passes again."""
     bound = _current(plan, key)
-    if bound is None or bound.flat_ref is None or bound.flat_ref() is not flat or not same_one(flat, bound.flat_snap):
+    if (bound is None or bound.flat_snap is None or not isinstance(flat, torch.Tensor)
+            or not same_one(flat, bound.flat_snap)):
         return None
     return bound
 
@@ -294,17 +301,12 @@ def _bind(plan, key, flat, given: bool, backend: str):
                     launches.append(launch)
         bound.state = state
         bound.launches = tuple(launches)
-    elif not given or (bound.flat_ref is not None and bound.flat_ref() is flat
-                       and same_one(flat, bound.flat_snap)):
+    elif not given or (bound.flat_snap is not None and same_one(flat, bound.flat_snap)):
         return bound
     else:  # the same memory through another tensor object, or changed: bind this one
         old, bound = bound, _Bound()
         bound.state, bound.launcher, bound.flat_ptr, bound.launches = old.state, old.launcher, ptr, old.launches
-    bound.flat_ref = bound.flat_snap = None
-    if given:
-        snap = snapshot_one(flat)
-        if snap is not None:
-            bound.flat_ref, bound.flat_snap = weakref.ref(flat), snap
+    bound.flat_snap = snapshot_one(flat) if given else None
     memo = plan.__dict__.setdefault("_bound", {})
     if key not in memo and len(memo) >= _MAX_BOUND:
         memo.clear()

@@ -1556,6 +1556,51 @@ def test_bound_calls_tell_a_negative_zero_scale_from_zero():
                              f"unflatten_into, scale {scale}, tensor {i}")
 
 
+def test_bound_calls_leave_their_buffers_swappable():
+    """A bound call kept a weak reference to its buffer, and ``torch.utils.swap_tensors``
+    refuses a tensor with one ("Cannot swap t1 because it has weakref associated with
+    it"): after a few calls an ``out`` / ``flat`` could no longer be swapped, as
+    ``nn.Module`` conversions do under ``torch.__future__.set_swap_module_params_on_conversion``.
+    Swapped, the buffer is then written (read) at its new memory, the old left alone."""
+    ts, n = _bound_setup()
+    ref = torch.cat([t.reshape(-1) for t in ts])
+    out = torch.empty(n)
+    for _ in range(3):
+        fastpar.flatten(ts, out=poison_(out))
+    other = torch.empty(n)
+    torch.utils.swap_tensors(out, other)  # out now has other's memory, other out's
+    poison_(other)
+    poison_(out)
+    assert fastpar.flatten(ts, out=out) is out
+    assert torch.equal(out, ref), "swapped out: not written at its new memory"
+    assert other.isnan().all(), "swapped out: its old memory was written"
+
+    flat = rand((n,), torch.float32)
+    dst = [torch.empty_like(t) for t in ts]
+    for _ in range(3):
+        fastpar.unflatten_into(flat, dst)
+    other = rand((n,), torch.float32)
+    torch.utils.swap_tensors(flat, other)
+    fastpar.unflatten_into(flat, [poison_(d) for d in dst])
+    offs = ref_offsets(ts)
+    for i, d in enumerate(dst):
+        assert torch.equal(d, flat[offs[i]:offs[i + 1]].reshape(d.shape)), f"swapped flat: tensor {i}"
+
+    model = torch.nn.Linear(4, 3)
+    params = list(model.parameters())
+    buf = torch.nn.Parameter(torch.empty(15), requires_grad=False)
+    model.flat = buf
+    for _ in range(3):
+        fastpar.flatten([p.detach() for p in params], out=buf)
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.double()
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    assert model.flat is buf and buf.dtype == torch.float64
+
+
 def test_fast_paths_calibrate_even_when_first_used_in_inference_mode():
     import subprocess
     import sys
