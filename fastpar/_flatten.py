@@ -194,16 +194,34 @@ def _flatten_planned(plan, dtype, scale, out):
     else:
         check_flat(out, "out", numel=plan.numel, dtype=dtype, device=plan.device, written=True)
         check_no_overlap(plan, out, "out", "tensors")
-    backend, launch = _dispatch.kernel("flatten", plan.device)
-    bound = _bind(plan, key, out, given, backend)
-    if bound is not None:
-        bound.run()
-    else:
-        groups, _ = _staged_groups(plan, fill=True)
-        for g in groups:
-            launch(g, out, scale, **_tuning.params("flatten", backend, g.dtype, out.dtype, plan.numel))
+    _launch(plan, key, out, given)
     increment_version(out)
     return out
+
+
+def _launch(plan, key, flat, given: bool) -> list:
+    """Run ``key``'s op (``flatten`` or ``unflatten_into``, with ``key``'s scale) between a
+    checked ``plan`` and a checked ``flat``: the bound launches where calls are bound
+    (see :func:`_bind`), else each group through the backend's launcher. Returns the
+    ``(tensor, temporary)`` pairs of the staged non-contiguous tensors (for
+    ``unflatten_into`` to copy back)."""
+    op, scale = key[0], key[2]
+    backend, launch = _dispatch.kernel(op, plan.device)
+    bound = _bind(plan, key, flat, given, backend)
+    if bound is not None:
+        bound.run()
+        return []
+    to_flat = op == "flatten"
+    groups, pending = _staged_groups(plan, fill=to_flat)
+    for g in groups:
+        launch(g, flat, scale, **_group_params(op, backend, g, flat, plan.numel))
+    return pending
+
+
+def _group_params(op: str, backend: str, g, flat, numel: int) -> dict:
+    """The tuned launch parameters of ``op`` for group ``g`` and ``flat``."""
+    src, dst = (g.dtype, flat.dtype) if op == "flatten" else (flat.dtype, g.dtype)
+    return _tuning.params(op, backend, src, dst, numel)
 
 
 # ---------------------------------------------------------------------------
@@ -294,9 +312,8 @@ def _bind(plan, key, flat, given: bool, backend: str):
             state = _tuning.resolution_state()
             launches = []
             for g in plan.groups:
-                src, dst = (g.dtype, flat.dtype) if to_flat else (flat.dtype, g.dtype)
                 launch = numba_flatten.bind_copy(g, flat, key[2], to_flat,
-                                                 **_tuning.params(op, backend, src, dst, plan.numel))
+                                                 **_group_params(op, backend, g, flat, plan.numel))
                 if launch is not None:
                     launches.append(launch)
         bound.state = state
@@ -429,21 +446,14 @@ def unflatten_into(flat, tensors, *, scale=None) -> None:
                 f"tensors[{i}] has internally overlapping memory (e.g. from expand(), strides "
                 f"{plan.tensors[i].stride()}): writing into it is ambiguous"
             )
-    backend, launch = _dispatch.kernel("unflatten_into", plan.device)
-    bound = _bind(plan, key, flat, True, backend)
-    if bound is not None:
-        bound.run()
-    else:
-        groups, pending = _staged_groups(plan, fill=False)
-        for g in groups:
-            launch(g, flat, scale, **_tuning.params("unflatten_into", backend, flat.dtype, g.dtype, plan.numel))
-        if pending:
-            with torch.no_grad():  # writes bypass autograd, as for the contiguous tensors
-                for dst, tmp in pending:
-                    # Through .data (an alias with a version counter of its own): the line
-                    # below bumps dst's version, once, as for every other tensor (dst.copy_
-                    # bumped it too).
-                    dst.data.copy_(tmp)
+    pending = _launch(plan, key, flat, True)
+    if pending:
+        with torch.no_grad():  # writes bypass autograd, as for the contiguous tensors
+            for dst, tmp in pending:
+                # Through .data (an alias with a version counter of its own): the line
+                # below bumps dst's version, once, as for every other tensor (dst.copy_
+                # bumped it too).
+                dst.data.copy_(tmp)
     increment_versions(plan.tensors, plan.impls)
 
 
