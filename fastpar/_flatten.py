@@ -409,15 +409,39 @@ def unflatten_into(flat, tensors, *, scale=None) -> None:
 
     Writes bypass autograd, as under ``torch.no_grad()``, but bump the tensors' version
     counters so autograd still detects the modification of a saved tensor. An empty
-    ``tensors`` writes nothing (``flat`` must then be empty).
+    ``tensors`` writes nothing (``flat`` must then be empty). A tensor subclass that
+    overrides ``__torch_function__`` (``flat``, ``scale`` or among ``tensors``) gets the
+    call as ``fastpar.unflatten_into``, as :func:`flatten` and :func:`unflatten` hand
+    theirs over (the default override runs it on the tensors as they are); so does an
+    active ``TorchFunctionMode``.
     """
     if torch.compiler.is_dynamo_compiling():  # (as in flatten)
         return _unflatten_into_eagerly(flat, tensors, scale=scale)
+    if _mode_enabled():  # (as in flatten)
+        return handle_torch_function(unflatten_into, _relevant(tensors, flat, scale), flat, tensors, scale=scale)
     if _empty_list(tensors):
-        check_flat(flat, "flat", numel=0, dtype=None, device=None)
-        check_scale(scale)
-        return
+        return _unflatten_into_nothing(flat, scale)
     plan = plan_for(tensors, "tensors")
+    overriding = _overriding(plan, flat, scale)
+    if overriding:
+        return handle_torch_function(unflatten_into, overriding, flat, tensors, scale=scale)
+    return _unflatten_into_planned(plan, flat, scale)
+
+
+def unflatten_into_plain(flat, tensors, *, scale=None) -> None:
+    """:func:`unflatten_into` without the ``__torch_function__`` hand-over, for fastpar's
+    own callers (``ddp.sync_params``), as :func:`flatten_plain` is for :func:`flatten`."""
+    if _empty_list(tensors):
+        return _unflatten_into_nothing(flat, scale)
+    return _unflatten_into_planned(plan_for(tensors, "tensors"), flat, scale)
+
+
+def _unflatten_into_nothing(flat, scale) -> None:
+    check_flat(flat, "flat", numel=0, dtype=None, device=None)
+    check_scale(scale)
+
+
+def _unflatten_into_planned(plan, flat, scale) -> None:
     if scale is None or type(scale) is float:  # (else checked and read first, below)
         bound = _bound_for(plan, _key("unflatten_into", getattr(flat, "dtype", None), scale), flat)
         if bound is not None:  # flat and the plan as the last call saw them: checked then

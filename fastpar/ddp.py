@@ -39,7 +39,7 @@ from torch.autograd.graph import increment_version
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _alloc, _dispatch, _tuning
-from ._flatten import flatten_plain, unflatten_into
+from ._flatten import flatten_plain, unflatten_into_plain
 from ._plan import Group, plan_for, transient_tensors
 from ._validate import FLOAT_DTYPES, check_conversion
 from .kernels._launch import fork_safe_lock
@@ -724,7 +724,7 @@ def _pack(tensors: list, out: torch.Tensor) -> None:
 def _unpack(flat: torch.Tensor, tensors: list) -> None:
     """``fastpar.unflatten_into(flat, tensors)`` without the plan cache."""
     with transient_tensors():
-        unflatten_into(flat, tensors)
+        unflatten_into_plain(flat, tensors)
 
 
 def _sharing_memory(tensors: list) -> set:

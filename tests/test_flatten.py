@@ -2643,6 +2643,50 @@ def test_flatten_unflatten_hand_an_active_torch_function_mode_the_call_as_torch(
     with Recording(), pytest.raises(TypeError, match="tensors"):
         fastpar.flatten(ts[0])
 
+
+def test_unflatten_into_hands_torch_function_subclasses_and_modes_the_call():
+    # flatten and unflatten hand a __torch_function__ subclass (and an active
+    # TorchFunctionMode) the call as one call, as torch's functions do; unflatten_into
+    # did not: a mode saw only fastpar's internal reads, a subclass never the call.
+    from torch.overrides import TorchFunctionMode
+
+    class Recording(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    src = [rand((3,), torch.float32), rand((2, 2), torch.float32)]
+    flat = torch.cat([t.reshape(-1) for t in src])
+    dst = [poison_(torch.empty(3)), poison_(torch.empty(2, 2))]
+    with Recording() as mode:
+        assert fastpar.unflatten_into(flat, dst, scale=2.0) is None
+    assert mode.seen == [fastpar.unflatten_into], mode.seen
+    for d, t in zip(dst, src):
+        assert_close(d, t.double() * 2.0, dtype=torch.float32, what="under the mode")
+    with Recording(), pytest.raises(TypeError, match="tensors"):  # still refused by name
+        fastpar.unflatten_into(flat, dst[0])
+    # A subclass among the destinations, as flat, or as scale: the call goes to it and
+    # its default override runs it on the tensors as they are (written in place).
+    for where in ("tensors", "flat", "scale"):
+        sub = [poison_(torch.empty(3)), poison_(torch.empty(2, 2))]
+        f, scale = flat, 2.0
+        if where == "tensors":
+            sub[1] = sub[1].as_subclass(_Recording)
+        elif where == "flat":
+            f = flat.as_subclass(_Recording)
+        else:
+            scale = torch.tensor(2.0).as_subclass(_Recording)
+        _Recording.seen = []
+        assert fastpar.unflatten_into(f, sub, scale=scale) is None
+        assert "unflatten_into" in _Recording.seen, (where, _Recording.seen)
+        for d, t in zip(sub, src):
+            assert_close(d.as_subclass(torch.Tensor), t.double() * 2.0, dtype=torch.float32, what=where)
+
+
 def test_kernel_hands_out_a_replaced_launcher_once_dynamo_is_loaded(monkeypatch):
     # Once dynamo is loaded, kernel() hands out torch.compiler.disable'd launchers. They
     # were cached by (backend, op) alone: a launcher replaced in _dispatch._kernel after
