@@ -1426,6 +1426,33 @@ def test_bound_flatten_sees_its_out_changed_in_place(change):
 
 
 
+
+def test_a_launcher_replaced_after_binding_runs_instead_of_the_bound_call(monkeypatch):
+    # The autotuner's wrong-values check (and its tests) replace the Numba launcher in its
+    # module and in _dispatch; the bound path had compared the launcher with the module's
+    # attribute, replaced too, and kept running the real kernel past the replacement.
+    from fastpar import _dispatch
+    from fastpar.kernels.ops_numba import flatten as nf
+
+    ts, n = _bound_setup()
+    out = torch.empty(n)
+    for _ in range(3):
+        fastpar.flatten(ts, out=out)  # bound
+    seen = []
+    real = nf.flatten
+
+    def spy(group, out, scale, **kw):
+        seen.append(group.numel)
+        return real(group, out, scale, **kw)
+
+    real_kernel = _dispatch._kernel
+    monkeypatch.setattr(nf, "flatten", spy)
+    monkeypatch.setattr(_dispatch, "_kernel", lambda backend, op: spy if op == "flatten" else real_kernel(backend, op))
+    for _ in range(2):
+        fastpar.flatten(ts, out=poison_(out))
+        assert torch.equal(out, torch.cat([t.reshape(-1) for t in ts]))
+    assert seen == [n, n], f"the replaced launcher ran for {seen}, expected twice for {n} elements"
+
 def test_bound_flatten_does_not_write_through_to_a_lazy_clone_of_out():
     # A copy-on-write clone shares out's storage at the same address: torch's own writes
     # (and fastpar's checks, through data_ptr()) un-share it first. The bound call's
