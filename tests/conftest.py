@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
@@ -361,3 +362,16 @@ def _fresh_plans():
 
     fastpar.clear_plan_cache()
     yield
+
+
+class RecordingMode(TorchFunctionMode):
+    """A ``TorchFunctionMode`` that records every function handed to it (``.seen``) and
+    runs it unchanged: what a tracer or a profiler built on modes would see of a call."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen.append(func)
+        return func(*args, **(kwargs or {}))

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
-from conftest import assert_close, cuda
+from conftest import RecordingMode, assert_close, cuda
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
 from torch.multiprocessing.spawn import ProcessException
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -1609,21 +1609,10 @@ def test_sync_params_unpacks_without_handing_a_mode_its_internal_call():
     # unflatten_into now hands an active TorchFunctionMode (and __torch_function__
     # subclasses) the call, as flatten does; sync_params's own unpacking step must not
     # show up there as a user call (its packing uses flatten_plain for the same reason).
-    from torch.overrides import TorchFunctionMode
-
-    class Recording(TorchFunctionMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            self.seen.append(func)
-            return func(*args, **(kwargs or {}))
-
     src = [torch.randn(3), torch.randn(2, 2)]
     flat = torch.cat([t.reshape(-1) for t in src])
     dst = [torch.full((3,), float("nan")), torch.full((2, 2), float("nan"))]
-    with Recording() as mode:
+    with RecordingMode() as mode:
         fddp._unpack(flat, dst)
     assert fastpar.unflatten_into not in mode.seen, mode.seen
     assert all(torch.equal(d, t) for d, t in zip(dst, src))

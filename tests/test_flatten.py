@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import (ALL_DTYPES, assert_one_break_per_op, compiled_run, compiling_flag_on, FLOAT_DTYPES, TOL, assert_close, assert_unchanged, cuda, poison_, rand, snapshot,
-                      body_passed)
+                      body_passed, RecordingMode)
 
 import fastpar
 
@@ -2642,32 +2642,21 @@ def test_flatten_unflatten_hand_an_active_torch_function_mode_the_call_as_torch(
     # torch's _flatten_dense_tensors / _unflatten_dense_tensors go to an active
     # TorchFunctionMode for plain tensors too, as one call; fastpar's did not: the mode
     # saw only fastpar's internal tensor reads (numel, data_ptr, ...), never the call.
-    from torch.overrides import TorchFunctionMode
-
-    class Recording(TorchFunctionMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            self.seen.append(func)
-            return func(*args, **(kwargs or {}))
-
     ts = [rand((3,), torch.float32), rand((2, 2), torch.float32)]
-    with Recording() as theirs:
+    with RecordingMode() as theirs:
         expected = torch._utils._flatten_dense_tensors(ts)
         expected_views = torch._utils._unflatten_dense_tensors(expected, ts)
     assert len(theirs.seen) == 2  # (torch's: one call each)
-    with Recording() as mode:
+    with RecordingMode() as mode:
         flat = fastpar.flatten(ts)
     assert mode.seen == [fastpar.flatten], mode.seen
     assert torch.equal(flat, expected)
-    with Recording() as mode:
+    with RecordingMode() as mode:
         views = fastpar.unflatten(flat, ts)
     assert mode.seen == [fastpar.unflatten], mode.seen
     assert all(torch.equal(v, e) for v, e in zip(views, expected_views))
     # Bad input is still refused by name once the mode hands the call back.
-    with Recording(), pytest.raises(TypeError, match="tensors"):
+    with RecordingMode(), pytest.raises(TypeError, match="tensors"):
         fastpar.flatten(ts[0])
 
 
@@ -2675,26 +2664,15 @@ def test_unflatten_into_hands_torch_function_subclasses_and_modes_the_call():
     # flatten and unflatten hand a __torch_function__ subclass (and an active
     # TorchFunctionMode) the call as one call, as torch's functions do; unflatten_into
     # did not: a mode saw only fastpar's internal reads, a subclass never the call.
-    from torch.overrides import TorchFunctionMode
-
-    class Recording(TorchFunctionMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            self.seen.append(func)
-            return func(*args, **(kwargs or {}))
-
     src = [rand((3,), torch.float32), rand((2, 2), torch.float32)]
     flat = torch.cat([t.reshape(-1) for t in src])
     dst = [poison_(torch.empty(3)), poison_(torch.empty(2, 2))]
-    with Recording() as mode:
+    with RecordingMode() as mode:
         assert fastpar.unflatten_into(flat, dst, scale=2.0) is None
     assert mode.seen == [fastpar.unflatten_into], mode.seen
     for d, t in zip(dst, src):
         assert_close(d, t.double() * 2.0, dtype=torch.float32, what="under the mode")
-    with Recording(), pytest.raises(TypeError, match="tensors"):  # still refused by name
+    with RecordingMode(), pytest.raises(TypeError, match="tensors"):  # still refused by name
         fastpar.unflatten_into(flat, dst[0])
     # A subclass among the destinations, as flat, or as scale: the call goes to it and
     # its default override runs it on the tensors as they are (written in place).
