@@ -628,7 +628,7 @@ def resolution_state() -> tuple:
     tensors: the backend request (:func:`fastpar._dispatch.request_state`), the tuning
     state (:func:`state`) and torch's thread count (where torch runs on one thread the
     Numba launch is bound serial). Keepers compare it and resolve again when it changed."""
-    return _dispatch.request_state(), _forced, generation, torch.get_num_threads()
+    return _dispatch.request_state(), state(), torch.get_num_threads()
 
 
 @contextlib.contextmanager

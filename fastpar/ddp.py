@@ -280,19 +280,8 @@ class _Pass:
         self.backend = backend
         self.tuned = tuned
         self.run = run
-        #: _config_stamp() when backend and tuned were last found current.
+        #: _tuning.resolution_state() when backend and tuned were last found current.
         self.stamp = None
-
-
-def _config_stamp() -> tuple:
-    """What a pass's backend and tuned parameters depend on
-    (:func:`fastpar._tuning.resolution_state`: the :func:`fastpar.use_backend` override in
-    force, ``FASTPAR_BACKEND`` as set, the tuning state, torch's thread count).
-    Unchanged since a pass was resolved, the pass stands: asking
-    :func:`fastpar._dispatch.backend_for_type` and :func:`fastpar._tuning.params` every
-    call cost 5-8 us of a 1 MB compress pass's 35-45 us, right after the kernel's
-    1.5 MB had gone through the caches (1.5 us in a quiet loop)."""
-    return _tuning.resolution_state()
 
 
 def _bind_numba(op: str, group: Group, flat: torch.Tensor, scale, divide: bool, tuned: dict):
@@ -324,15 +313,18 @@ def _launch(op: str, entry: _Bucket, bucket_buf: torch.Tensor, flat: torch.Tenso
     ``flat`` is then the bucket itself).
 
     The launch is resolved once per bucket and pass and reused every step. What the
-    backend and the tuned parameters depend on is checked every call (a
-    ``FASTPAR_BACKEND`` or :func:`fastpar.use_backend` change, a re-read or forced
-    tuning table, takes effect at the next call: see :func:`_config_stamp`), and the
-    launch is resolved again when either changed. On Numba
+    backend and the tuned parameters depend on (:func:`fastpar._tuning.resolution_state`)
+    is checked every call (a ``FASTPAR_BACKEND`` or :func:`fastpar.use_backend` change, a
+    re-read or forced tuning table, takes effect at the next call), and the launch is
+    resolved again when it changed: asking :func:`fastpar._dispatch.backend_for_type` and
+    :func:`fastpar._tuning.params` every call cost 5-8 us of a 1 MB compress pass's
+    35-45 us, right after the kernel's 1.5 MB had gone through the caches (1.5 us in a
+    quiet loop). On Numba
     a tuned ``chunk`` is used but not ``parallel_min_bytes``: bucket passes run on every
     core from 1 MiB (``_BUCKET_PARALLEL_MIN_BYTES``)."""
     key = (op, flat.data_ptr(), flat.dtype, scale, divide)
     p = entry.passes.get(key)
-    stamp = _config_stamp()
+    stamp = _tuning.resolution_state()
     while p is None or p.stamp != stamp:
         backend = _dispatch.backend_for_type(entry.device_type)
         if op == "flatten":
@@ -349,7 +341,7 @@ def _launch(op: str, entry: _Bucket, bucket_buf: torch.Tensor, flat: torch.Tenso
             p = entry.passes[key] = _Pass(backend, tuned, _bind(op, backend, entry, flat, scale, divide, tuned))
         # Current if nothing moved while it was resolved; else (a table read on first use,
         # typically this very call's) ask again.
-        now = _config_stamp()
+        now = _tuning.resolution_state()
         if now == stamp:
             p.stamp = stamp
         stamp = now
