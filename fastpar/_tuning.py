@@ -180,33 +180,51 @@ def device_info(device) -> dict:
     return dict(hit)
 
 
-_kernels_digest: str | None = None
+#: The kernel folder each device type's tuned backend runs (``TUNED_BACKENDS``).
+KERNEL_FOLDERS = {"cpu": "ops_numba", "cuda": "ops_triton"}
+
+_kernels_digests: dict = {}
 
 
-def kernels_digest() -> str:
+def kernels_digest(device_type: str | None = None, root: Path | None = None) -> str:
     """SHA-256 (16 hex digits) of the kernel and launcher sources (``fastpar.kernels``):
     a winner is only as good as the code it was timed on, and the package version does
-    not change with every commit."""
-    global _kernels_digest
-    if _kernels_digest is None:
-        from . import kernels
+    not change with every commit.
 
-        root = Path(kernels.__file__).resolve().parent
+    With ``device_type`` (``"cpu"``, ``"cuda"``), only the sources that device's tuned
+    backend runs: its ``ops_<backend>`` folder (:data:`KERNEL_FOLDERS`) and the shared
+    modules outside every ``ops_*`` folder. Editing the Numba kernels then leaves a GPU's
+    tuned file valid (and the Triton kernels a CPU's): a GPU's file can only be tuned
+    again on that GPU. ``root`` is the kernels folder (tests)."""
+    key = (device_type, root)
+    hit = _kernels_digests.get(key)
+    if hit is None:
+        if root is None:
+            from . import kernels
+
+            root = Path(kernels.__file__).resolve().parent
+        mine = KERNEL_FOLDERS.get(device_type)
         h = hashlib.sha256()
         for f in sorted(root.rglob("*.py")):
-            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
-        _kernels_digest = h.hexdigest()[:16]
-    return _kernels_digest
+            rel = f.relative_to(root)
+            top = rel.parts[0]
+            if device_type is not None and top.startswith("ops_") and top != mine:
+                continue
+            h.update(rel.as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+        hit = _kernels_digests[key] = h.hexdigest()[:16]
+    return hit
 
 
-def versions() -> dict:
-    """Versions a tuned file must match to be used (the kernels' by source digest)."""
+def versions(device_type: str | None = None) -> dict:
+    """Versions a tuned file must match to be used: the kernels' by source digest, of
+    the sources ``device_type``'s backend runs (all of them without it, as a benchmark
+    run records)."""
     import numba
     import triton
 
     from . import __version__
 
-    return {"fastpar": __version__, "kernels": kernels_digest(), "torch": torch.__version__,
+    return {"fastpar": __version__, "kernels": kernels_digest(device_type), "torch": torch.__version__,
             "triton": triton.__version__, "numba": numba.__version__}
 
 
@@ -535,8 +553,9 @@ def parse_json(text: str):
         raise ValueError("nested too deeply to be a tuned-results or search-space file") from None
 
 
-def _load(slug: str, path: Path) -> _Table | None:
-    """Read and validate ``path`` once; on any problem warn once and return None."""
+def _load(slug: str, path: Path, device_type: str) -> _Table | None:
+    """Read and validate ``path`` (the tuned file of a ``device_type`` device) once; on
+    any problem warn once and return None."""
     problem = None
     try:
         text = path.read_text(encoding="utf-8")
@@ -551,7 +570,7 @@ def _load(slug: str, path: Path) -> _Table | None:
             problem = ("invalid", f"ignoring {path}: not valid JSON ({e})")
         else:
             try:
-                validate_results(doc, slug=slug, current_versions=versions())
+                validate_results(doc, slug=slug, current_versions=versions(device_type))
             except TuningFileError as e:
                 kind = "foreign version" if str(e).startswith("versions:") else "invalid"
                 problem = (kind, f"ignoring {path}: {e}")
@@ -582,9 +601,10 @@ def _table_for(backend: str, device) -> _Table | None:
             table = None
         else:
             dev = TUNED_BACKENDS[backend] if device is None else device
-            slug = device_info(dev)["slug"]
+            info = device_info(dev)
+            slug = info["slug"]
             if slug not in _by_slug:
-                _by_slug[slug] = _load(slug, autotune_path(slug))
+                _by_slug[slug] = _load(slug, autotune_path(slug), info["type"])
             table = _by_slug[slug]
         _tables[key] = table
         generation += 1

@@ -498,7 +498,7 @@ def tune(ops=None, *, quick: bool = False, space=None, devices=None, root=None, 
                                         ent["bucket"])] = ent
                 bar.update(1)
         run = {"timestamp": _now(), "quick": quick, "wall_s": round(time.perf_counter() - t0, 1),
-               "versions": _tuning.versions(), "keys": sorted(entries),
+               "versions": _tuning.versions(info["type"]), "keys": sorted(entries),
                "cpus": _tuning._cpu_count(), "numba_threads": _numba_threads(), "torch_threads": torch.get_num_threads(),
                "loadavg_1min": [load0, os.getloadavg()[0] if hasattr(os, "getloadavg") else None]}
         path, error = None, None
@@ -612,7 +612,7 @@ def save(entries: dict, *, device: dict, bounds: list, space: dict, run: dict, r
     path.parent.mkdir(parents=True, exist_ok=True)
     if not os.access(path.parent, os.W_OK):  # fail before taking the lock, with a clear message
         raise PermissionError(errno.EACCES, "the results folder is not writable", str(path.parent))
-    current = _tuning.versions()
+    current = _tuning.versions(device["type"])
     with FileLock(str(path.parent / f".{path.name}.lock"), timeout=lock_timeout):
         old, aside = None, None  # aside: (suffix, text) of a file to keep beside the new one
         if path.exists():

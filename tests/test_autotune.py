@@ -127,7 +127,7 @@ def test_small_space_winner_is_used_by_a_fresh_process(results, tmp_path_factory
     path = result[SLUG]["path"]
     assert path is not None and path.parent == results / "autotune", result[SLUG]["error"]
     doc = json.loads(path.read_text())
-    _tuning.validate_results(doc, slug=SLUG, current_versions=_tuning.versions())
+    _tuning.validate_results(doc, slug=SLUG, current_versions=_tuning.versions("cpu"))
     entry = doc["entries"][_key(0)]
     assert entry["default"] == {"chunk": 65536}
     assert sorted(c["params"]["chunk"] for c in entry["candidates"]) == [4096, 16384, 65536]
@@ -167,7 +167,7 @@ def test_real_flatten_runner_quick(results):
     """The packaged runner on a two-candidate space: a valid file whose winner a fresh
     process's ``_tuning.params`` returns."""
     doc = _tune_one_candidate(results, "flatten", dtypes=[{"src": "float32", "dst": "bfloat16", "scale": 0.5}])
-    _tuning.validate_results(doc, slug=SLUG, current_versions=_tuning.versions())
+    _tuning.validate_results(doc, slug=SLUG, current_versions=_tuning.versions("cpu"))
     e = doc["entries"]["flatten/numba/float32->bfloat16/b0"]
     assert len(e["candidates"]) == 2 and e["input_sets"] >= 2 and e["cache_flushed"] is True
     assert _params_in_fresh_process(results, "flatten", "bfloat16") == e["winner"]["params"]
@@ -388,7 +388,7 @@ def test_other_version_file_is_superseded(results):
     _rewrite(path, lambda d: _set(d, ["versions", "numba"], "0.1"), redigest=True)
     _save(results, {_key(1): _entry(1, 16384)})
     doc = json.loads(open(path).read())
-    assert list(doc["entries"]) == [_key(1)] and doc["versions"] == _tuning.versions()
+    assert list(doc["entries"]) == [_key(1)] and doc["versions"] == _tuning.versions("cpu")
     assert json.loads(open(path + ".prev").read())["versions"]["numba"] == "0.1"
 
 
@@ -436,7 +436,7 @@ def test_concurrent_writers_merge_and_never_tear(results):
             good_reads = reader.get(timeout=60)
     path = results / "autotune" / f"{SLUG}.json"
     doc = json.loads(path.read_text())
-    _tuning.validate_results(doc, slug=SLUG, current_versions=_tuning.versions())
+    _tuning.validate_results(doc, slug=SLUG, current_versions=_tuning.versions("cpu"))
     runs = [(r["writer"], r["i"]) for r in doc["runs"]]
     assert sorted(runs) == sorted([(0, i) for i in range(n)] + [(100, i) for i in range(n)]), \
         "a concurrent writer's run was lost"
@@ -609,6 +609,58 @@ def _params_and_warnings(numel=500):
         warnings.simplefilter("always")
         p = _tuning.params("flatten", "numba", F32, F32, numel)
     return p, [str(x.message) for x in w if issubclass(x.category, TuningWarning)]
+
+
+def _kernels_copy(tmp_path):
+    import shutil
+    from pathlib import Path
+
+    src = Path(fastpar.kernels.__file__).resolve().parent
+    dst = tmp_path / "kernels"
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
+    return dst
+
+
+def _digests(root):
+    _tuning._kernels_digests.clear()  # (cached per folder; a test edits the folder in place)
+    return {t: _tuning.kernels_digest(t, root) for t in (None, "cpu", "cuda")}
+
+
+@pytest.mark.parametrize("edited, voids", [
+    ("ops_numba/flatten.py", {None, "cpu"}),
+    ("ops_triton/flatten.py", {None, "cuda"}),
+    ("ops_torch/flatten.py", {None}),  # the reference backend is never tuned
+    ("_launch.py", {None, "cpu", "cuda"}),
+])
+def test_kernel_digest_covers_the_sources_of_the_devices_backend(tmp_path, edited, voids):
+    # A tuned file records the digest of the sources its device's backend runs: editing
+    # the Numba kernels must not void a GPU's file, which only that GPU can tune again
+    # (the digest covered every backend's sources: any CPU kernel edit voided them all).
+    root = _kernels_copy(tmp_path)
+    try:
+        before = _digests(root)
+        with open(root / edited, "a") as f:
+            f.write("\n# edited\n")
+        after = _digests(root)
+    finally:
+        _tuning._kernels_digests.clear()
+    assert {t for t in before if before[t] != after[t]} == voids
+    assert before["cpu"] != before["cuda"] != before[None]
+
+
+def test_versions_record_the_digest_of_the_devices_backend():
+    assert _tuning.versions("cpu")["kernels"] == _tuning.kernels_digest("cpu")
+    assert _tuning.versions("cuda")["kernels"] == _tuning.kernels_digest("cuda")
+    assert _tuning.versions()["kernels"] == _tuning.kernels_digest()  # a bench run: all of them
+    assert len({_tuning.kernels_digest(t) for t in (None, "cpu", "cuda")}) == 3
+
+
+def test_saved_file_records_the_cpu_kernels_digest(results):
+    path = _save_as(results, {_key(0): _entry(0, 4096)})
+    doc = json.loads(open(path).read())
+    assert doc["versions"]["kernels"] == _tuning.kernels_digest("cpu")
+    p, tw = _params_and_warnings()
+    assert p == {"chunk": 4096, "parallel_min_bytes": 16777216} and not tw, (p, tw)
 
 
 # ---------------------------------------------------------------- validation
