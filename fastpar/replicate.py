@@ -12,7 +12,8 @@ like any parameter.)
 Replica buffers persist across calls, as DDP keeps its bucket buffers: once nothing
 refers to a previous call's buffer any more (its replicas and their autograd graph are
 gone), the next call refills it instead of allocating; a buffer still referenced is
-never overwritten (a new one is allocated instead).
+never overwritten (a new one is allocated instead, and up to four are kept per device
+and kind: what a step running the network several times before its backward holds).
 """
 from __future__ import annotations
 
@@ -37,6 +38,14 @@ __all__ = ["replicate"]
 class _BufferPool:
     """Persistent per-device buffers, refilled only once nothing else refers to them.
 
+    Up to ``per_key`` buffers are kept per key: a training step that runs the network
+    twice before its backward (a discriminator on real and fake batches, two views,
+    micro-batches summed) holds two sets of replicas at once, and each set finds its own
+    buffer idle again at the next step. (With one buffer per key, the second forward
+    replaced it every step: a fresh copy of the parameters per device, page faults
+    included.) When all ``per_key`` are in use, the least recently handed out one is
+    let go to keep the new one (freed once its replicas die).
+
     On CUDA, "nothing refers to it" says only that the host let go: the last call's
     replicas may still be read by kernels queued on the stream that was current when the
     buffer was handed out. Refilled on that same stream, the new writes queue behind
@@ -47,35 +56,45 @@ class _BufferPool:
     the caching allocator frees it into the pool of the stream it was allocated on, and
     must not hand it to work there while kernels of a later stream still read it."""
 
-    def __init__(self) -> None:
+    def __init__(self, per_key: int = 4) -> None:
+        #: key -> [[IdleBuffer, CUDA stream current when last handed out or None], ...],
+        #: least recently handed out first
         self._slots: dict = {}
-        self._streams: dict = {}  # key -> the CUDA stream current when last handed out
         self._lock = fork_safe_lock()
+        self.per_key = per_key
         self.allocations = 0
 
     def get(self, key, nbytes: int, device: torch.device) -> torch.Tensor:
-        """A uint8 buffer of ``nbytes`` on ``device``: the one kept under ``key`` when
+        """A uint8 buffer of ``nbytes`` on ``device``: one kept under ``key`` when
         nothing else refers to it (:class:`fastpar._alloc.IdleBuffer`), else a new one.
 
         Returned as a new tensor over it (``detach()``) made under the lock: it counts as a
         use at once, so two threads replicating the same module never get the same buffer."""
         with self._lock:
-            slot = self._slots.get(key)
+            entries = self._slots.setdefault(key, [])
             # Every view (a replica's parameter, a tensor saved for backward) holds a
             # reference to the storage: at the count it had when new, none is left.
-            if slot is not None and slot.buf.numel() == nbytes and slot.buf.device == device and slot.idle():
-                buf = slot.buf
+            entry = next((e for e in entries if e[0].buf.numel() == nbytes and e[0].buf.device == device
+                          and e[0].idle()), None)
+            if entry is not None:
+                entries.remove(entry)
             else:
-                buf = _alloc.empty(nbytes, dtype=torch.uint8, device=device)
-                self._slots[key] = _alloc.IdleBuffer(buf)
-                self._streams.pop(key, None)  # a new block: the allocator orders its reuse
+                # Kept buffers of another size or device (the network changed), or resized
+                # or shared (never idle again), can serve no later call: let them go.
+                entries[:] = [e for e in entries if e[0].buf.numel() == nbytes and e[0].buf.device == device
+                              and e[0].intact()]
+                del entries[: max(0, len(entries) - self.per_key + 1)]
+                # (stream None: a new block, the allocator orders its reuse)
+                entry = [_alloc.IdleBuffer(_alloc.empty(nbytes, dtype=torch.uint8, device=device)), None]
                 self.allocations += 1
+            entries.append(entry)  # most recently handed out last
+            buf = entry[0].buf
             if buf.is_cuda:
                 current = torch.cuda.current_stream(buf.device)
-                last = self._streams.get(key)
+                last = entry[1]
                 if last is not None and last != current:
                     current.wait_stream(last)
-                self._streams[key] = current
+                entry[1] = current
                 buf.record_stream(current)  # (a no-op on the stream it was allocated on)
             return buf.detach()  # not a view: its ``_base`` would be the slot's own tensor
 
@@ -310,7 +329,11 @@ def replicate(network, devices, detach=False):
     idx_rg = {b: i for i, b in enumerate(buffers_rg)}
     idx_not_rg = {b: i for i, b in enumerate(buffers_not_rg)}
     copies_rg = _broadcast(buffers_rg, _Placement(devs, pool, "buffers_rg"), detach)
-    copies_not_rg = _broadcast(buffers_not_rg, _Placement(devs, pool, "buffers"), True)
+    # Under detach the buffers requiring grad join the others: a list of another size
+    # than a differentiable call's, so it gets a slot of its own (in one slot, a training
+    # loop with no_grad forwards between its steps reallocated it at every switch).
+    tag = "buffers_detached" if detach and any(b.requires_grad for b in buffers) else "buffers"
+    copies_not_rg = _broadcast(buffers_not_rg, _Placement(devs, pool, tag), True)
 
     module_copies = [[] for _ in devs]
     module_indices = {}

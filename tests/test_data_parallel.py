@@ -231,6 +231,41 @@ def test_batch_smaller_than_devices():
 
 
 
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_two_forwards_before_each_backward_allocate_no_replica_buffers(k):
+    # A discriminator run on real and fake batches (or two views, or micro-batches
+    # summed) before one backward: the second forward finds the first's buffers in use
+    # and takes new ones. The pool kept one buffer per slot, replacing it, so every step
+    # allocated (and faulted in) a fresh copy of the parameters for each device.
+    from fastpar.replicate import _POOLS
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1)).double()
+    ref = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1)).double()
+    ref.load_state_dict(model.state_dict())
+    dp = DataParallel(model, device_ids=["cpu"] * k)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    allocations = []
+    for step in range(4):
+        real, fake = torch.randn(9, 6, dtype=torch.float64), torch.randn(9, 6, dtype=torch.float64)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        loss = nn.functional.softplus(-dp(real)).mean() + nn.functional.softplus(dp(fake)).mean()
+        ref_loss = (nn.functional.softplus(-reference_forward(ref, real, k)).mean()
+                    + nn.functional.softplus(reference_forward(ref, fake, k)).mean())
+        torch.testing.assert_close(loss, ref_loss, **TOL, msg=f"step {step} loss")
+        loss.backward()
+        ref_loss.backward()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, **TOL, msg=f"step {step} grad {n}")
+        opt.step()
+        ref_opt.step()
+        allocations.append(_POOLS[model].allocations)
+    assert allocations[1:] == allocations[:1] * 3, f"replica buffers allocated per step: {allocations}"
+
+
 class Counting(nn.Module):
     """Uses one buffer in forward and bumps another in place, as modules that count
     their calls do."""

@@ -152,6 +152,35 @@ def test_buffers_are_reused_and_never_overwritten_while_referenced():
     assert pool.allocations == before, "steady state allocates nothing"
 
 
+def test_pool_keeps_a_few_buffers_per_slot_and_reuses_them():
+    # Replicas held at once (two forwards before a backward) each get a buffer; once
+    # they die, the next calls refill those instead of allocating. Held beyond the
+    # pool's bound, the extra buffers are let go with their replicas.
+    net = nn.Sequential(nn.Linear(5, 5), nn.BatchNorm1d(5))
+    held = [replicate(net, ["cpu", "cpu"], detach=True) for _ in range(2)]
+    pool = _POOLS[net]
+    before = pool.allocations
+    del held
+    gc.collect()
+    for step in range(3):
+        with torch.no_grad():
+            net[0].weight.add_(1.0)
+        held = [replicate(net, ["cpu", "cpu"], detach=True) for _ in range(2)]
+        params = dict(net.named_parameters())
+        for reps in held:
+            assert all(torch.equal(t, params[n]) for n, t in _plain_tensors(reps[1])), step
+        assert held[0][1][0].weight.data_ptr() != held[1][1][0].weight.data_ptr()
+        del held, reps
+    assert pool.allocations == before, "two sets of replicas at a time: steady state allocates nothing"
+    held = [replicate(net, ["cpu", "cpu"], detach=True) for _ in range(pool.per_key + 3)]
+    assert all(len(entries) <= pool.per_key for entries in pool._slots.values())
+    weights = [reps[1][0].weight.clone() for reps in held]
+    with torch.no_grad():
+        net[0].weight.add_(1.0)
+    replicate(net, ["cpu", "cpu"], detach=True)  # (all held: a new buffer, none refilled)
+    assert all(torch.equal(reps[1][0].weight, w) for reps, w in zip(held, weights)), "a held buffer was refilled"
+
+
 def test_replacing_an_rnn_does_not_grow_the_pool():
     # The RNN buffers were kept under id(module): every new LSTM put in the network (the
     # old ones still alive elsewhere) added slots that stayed as long as the network.
@@ -254,6 +283,35 @@ def test_buffers_requiring_grad_are_differentiable():
     assert torch.equal(m.scale.grad, torch.full((3,), 2.0))
     reps = replicate(m, ["cpu", "cpu"], detach=True)
     assert not reps[1].scale.requires_grad
+
+
+def test_buffers_requiring_grad_with_no_grad_forwards_between_allocate_nothing():
+    # A training step (the buffer requiring grad goes through Broadcast, the others are
+    # copied detached) alternated with a no_grad forward (every buffer copied detached):
+    # the two modes' detached buffers differ in size, and one slot held both, so each
+    # switch found it the wrong size and allocated it anew.
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("scale", torch.ones(4, requires_grad=True))
+            self.register_buffer("shift", torch.zeros(4))
+
+        def forward(self, x):
+            return self.lin(x) * self.scale + self.shift
+
+    net = M()
+    for step in range(4):
+        reps = replicate(net, ["cpu", "cpu"])
+        sum(r(torch.ones(2, 4)).sum() for r in reps).backward()
+        del reps
+        reps = replicate(net, ["cpu", "cpu"], detach=True)
+        buffers = dict(net.named_buffers())
+        assert all(torch.equal(b, buffers[n]) for n, b in reps[1].named_buffers()), step
+        del reps
+        if step == 0:
+            before = _POOLS[net].allocations
+    assert _POOLS[net].allocations == before, "steady state allocates nothing"
 
 
 def test_replicate_network_not_on_first_device():
