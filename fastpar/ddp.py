@@ -751,6 +751,37 @@ def _expanded_index(t: torch.Tensor):
     return tuple(slice(0, 1) if st == 0 and n > 1 else slice(None) for n, st in zip(t.shape, t.stride()))
 
 
+def _mismatch_message(module, tensors: list, signature: list, most: int, group, me: int, device) -> str:
+    """What :func:`sync_params` raises when the ranks' modules differ: the first tensor
+    whose shape, dtype, device type or contiguity is not the same on every rank, as this
+    rank holds it. Found with one more ``all_reduce`` (every rank is on this path), of
+    each tensor's checksum padded to ``most``, the largest count in the group: the whole
+    module's checksum said only that something differs, and a layout difference (a
+    parameter transposed or made channels_last on one rank) read as a different
+    architecture."""
+    # crc + 1: 0 stands for "no tensor at this position" on a rank that holds fewer.
+    own = [zlib.crc32(sig.encode()) + 1 for sig in signature] + [0] * (most - len(signature))
+    check = torch.tensor(own + [-c for c in own], dtype=torch.int64, device=device)
+    dist.all_reduce(check, op=dist.ReduceOp.MAX, group=group)
+    highs, lows = check[:most].tolist(), (-check[most:]).tolist()
+    first = next((i for i in range(most) if highs[i] != lows[i]), None)
+    names = [f"parameter {n!r}" for n, _ in module.named_parameters()]
+    names += [f"buffer {n!r}" for n, _ in module.named_buffers()]
+    if first is None:  # only a checksum collision gets here
+        what = "their parameters and buffers differ"
+    elif first < len(tensors):
+        t = tensors[first]
+        layout = "contiguous" if t.is_contiguous() else "non-contiguous"
+        what = f"{names[first]} (#{first}): {t.dtype} {tuple(t.shape)} on {t.device.type}, {layout} here"
+    else:
+        what = f"no tensor #{first} here, another rank has one"
+    return (
+        f"sync_params: ranks hold different modules: on rank {me}, {what} ({len(tensors)} parameters "
+        f"and buffers here, {most} on some rank); every rank must hold the same parameters and "
+        "buffers, in the same order, with the same shapes, dtypes, device types and contiguity"
+    )
+
+
 def sync_params(module, src: int = 0, process_group=None) -> None:
     r"""Copy every parameter and buffer of ``module`` from rank ``src`` to all ranks of
     ``process_group``, in one coalesced broadcast.
@@ -767,8 +798,10 @@ def sync_params(module, src: int = 0, process_group=None) -> None:
     over several devices takes one broadcast per device.
 
     Before the broadcast one small ``all_reduce`` compares a checksum of the tensors'
-    shapes and dtypes across ranks, so modules that differ raise ``ValueError`` on every
-    rank instead of hanging or scrambling the values.
+    shapes, dtypes, device types and contiguity across ranks (DDP, too, refuses
+    parameters whose strides differ), so modules that differ raise ``ValueError`` on
+    every rank, naming the first tensor that differs, instead of hanging or scrambling
+    the values.
 
     Must be called by every rank of the group; on a rank outside it (``new_group`` gave
     it ``GroupMember.NON_GROUP_MEMBER``) it warns and returns, as torch's collectives
@@ -857,11 +890,7 @@ def sync_params(module, src: int = 0, process_group=None) -> None:
     dist.all_reduce(check, op=dist.ReduceOp.MAX, group=group)
     hi, lo = check[:2].tolist(), (-check[2:]).tolist()
     if hi != lo:
-        raise ValueError(
-            f"sync_params: ranks hold different modules (rank {me} has {len(tensors)} parameters "
-            f"and buffers, checksum {crc}; across the group the counts span {lo[1]}..{hi[1]} and "
-            "the shape/dtype checksums differ); every rank must build the same architecture"
-        )
+        raise ValueError(_mismatch_message(module, tensors, signature, hi[1], group, me, device))
 
     for dev, ws in wires.items():
         numel = sum(w.numel() for w in ws)

@@ -319,6 +319,26 @@ def _sync_worker(rank):
     except ValueError as e:
         out["mismatch"] = str(e)
     out["mismatch_unchanged"] = _unchanged(m, before)
+    # Same shapes and dtypes, but one rank holds a parameter transposed (non-contiguous):
+    # refused as DDP refuses mismatched strides; the message must say which tensor and
+    # how it differs (it blamed the shapes/dtypes and "the architecture").
+    torch.manual_seed(rank)
+    m = nn.Module()
+    m.a = nn.Parameter(torch.randn(3, 4))
+    m.w = nn.Parameter(torch.randn(4, 6).t().contiguous() if rank == 1 else torch.randn(4, 6).t())
+    try:
+        fddp.sync_params(m, src=1)
+        out["layout_mismatch"] = None
+    except ValueError as e:
+        out["layout_mismatch"] = str(e)
+    if rank == 1:  # one tensor more on rank 1: the padded per-tensor check
+        m.register_buffer("extra", torch.zeros(2))
+    m.w = nn.Parameter(torch.randn(6, 4))
+    try:
+        fddp.sync_params(m, src=1)
+        out["count_mismatch"] = None
+    except ValueError as e:
+        out["count_mismatch"] = str(e)
     # A src outside the group: rejected before any collective.
     m = SyncNet()
     before = _state(m)
@@ -510,6 +530,25 @@ def test_sync_params_rejects_mismatched_modules_on_every_rank(synced):
         assert synced[rank]["bad_src"] is not None and "src must be a global rank" in synced[rank]["bad_src"]
         assert synced[rank]["mismatch_unchanged"] and synced[rank]["bad_src_unchanged"], \
             f"rank {rank}: a rejected sync_params changed the module"
+
+
+def test_sync_params_names_the_tensor_that_differs(synced):
+    # One tensor's layout differs (same shapes and dtypes): every rank raises, naming the
+    # tensor and its own layout of it.
+    for rank, layout in [(0, "non-contiguous"), (1, "contiguous")]:
+        msg = synced[rank]["layout_mismatch"]
+        assert msg is not None and "ranks hold different modules" in msg, msg
+        assert f"parameter 'w' (#1): torch.float32 (6, 4) on cpu, {layout}" in msg, msg
+    # Different shapes: the first tensor that differs is named, with this rank's shape
+    # (#4: SyncNet's own four parameters come before its submodules').
+    for rank in range(WORLD):
+        msg = synced[rank]["mismatch"]
+        assert f"parameter 'lin.weight' (#4): torch.float32 ({4 + rank}, 6)" in msg, msg
+    # One rank holds a tensor more: each rank says what it has at that position.
+    assert "on rank 0, no tensor #2 here, another rank has one (2 parameters and buffers here, 3 on some rank)" \
+        in synced[0]["count_mismatch"], synced[0]["count_mismatch"]
+    assert "on rank 1, buffer 'extra' (#2): torch.float32 (2,) on cpu, contiguous here" in synced[1]["count_mismatch"], \
+        synced[1]["count_mismatch"]
 
 
 def test_sync_params_expanded_buffers(synced):
