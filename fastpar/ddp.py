@@ -820,7 +820,8 @@ def sync_params(module, src: int = 0, process_group=None) -> None:
             ``process_group`` is neither None nor a ``ProcessGroup``.
         ValueError: ``src`` is not a rank of the group, or ranks hold different modules.
         RuntimeError: ``process_group`` is None and ``torch.distributed`` is not
-            initialized, or the group has no backend for a device the module's tensors
+            initialized, ``module`` holds an uninitialized (lazy) parameter or buffer,
+            or the group has no backend for a device the module's tensors
             are on (CPU buffers on an NCCL group), before any collective.
     """
     if torch.compiler.is_dynamo_compiling():
@@ -848,6 +849,18 @@ def sync_params(module, src: int = 0, process_group=None) -> None:
         raise ValueError(f"src must be a global rank in the process group {ranks}, got {src}")
     me = dist.get_rank()
 
+    # A lazy module before its first forward holds placeholders with no memory: torch's
+    # detach() of one raised a ValueError naming neither this call nor the tensor. DDP
+    # refuses them too (RuntimeError); refused here before any collective (on every rank
+    # when none has run the forward; a rank that has would wait in the check below, as
+    # it did before, until the group's timeout).
+    for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
+        for name, t in named:
+            if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
+                raise RuntimeError(
+                    f"sync_params: module has an uninitialized {kind} {name!r} (a lazy module before "
+                    "its first forward); run a forward pass on every rank first, then sync"
+                )
     tensors = [t.detach() for t in [*module.parameters(), *module.buffers()]]
     # Wire groups: device -> tensors packed into one byte buffer (any dtype goes, even
     # one the backend cannot broadcast). Contiguous tensors go as byte views, so

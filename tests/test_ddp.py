@@ -918,6 +918,22 @@ def test_sync_params_argument_errors(one_rank):
     assert _unchanged(m, before)
 
 
+def test_sync_params_refuses_uninitialized_lazy_tensors(one_rank, monkeypatch):
+    # A lazy module before its first forward: torch's detach() raised a ValueError naming
+    # neither sync_params nor the tensor. Refused as DDP refuses it (RuntimeError), naming
+    # the tensor, before any collective.
+    collectives = []
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: collectives.append(a))
+    with pytest.raises(RuntimeError, match=r"sync_params: module has an uninitialized parameter '1\.weight' "
+                                           r"\(a lazy module before its first forward\)"):
+        fddp.sync_params(nn.Sequential(nn.Linear(2, 2), nn.LazyLinear(4)))
+    m = nn.Linear(2, 2)
+    m.register_buffer("stats", nn.parameter.UninitializedBuffer())
+    with pytest.raises(RuntimeError, match="uninitialized buffer 'stats'"):
+        fddp.sync_params(m)
+    assert not collectives
+
+
 def test_sync_params_inside_a_compiled_function(one_rank):
     # dynamo traced on through sync_params' packing, checksum and collectives, warning at
     # each builtin (zlib.crc32, ...): the call is a graph break and runs eagerly.
