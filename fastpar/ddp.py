@@ -81,6 +81,18 @@ def _nccl_version():
         return None
 
 
+def _refuse_non_member(state, name: str) -> None:
+    """``TypeError`` if ``state`` is what ``new_group()`` returns on a rank it leaves out
+    (``GroupMember.NON_GROUP_MEMBER``, an int): refused as "got int", the message did not
+    say that this rank is outside the group."""
+    if type(state) is int and state == dist.GroupMember.NON_GROUP_MEMBER:
+        raise TypeError(
+            f"{name} is GroupMember.NON_GROUP_MEMBER, what new_group() returns on a rank it leaves "
+            f"out: global rank {dist.get_rank()} is not in that group, and a hook reduces over a group "
+            "that holds its rank; pass a group this rank belongs to (or None for the default group)"
+        )
+
+
 def _group_of(state, name: str = "state"):
     """The process group a hook runs on: ``state`` itself, or WORLD when it is None."""
     if state is None:
@@ -91,6 +103,7 @@ def _group_of(state, name: str = "state"):
             )
         return dist.group.WORLD
     if not isinstance(state, dist.ProcessGroup):
+        _refuse_non_member(state, name)
         raise TypeError(
             f"{name} must be None (the default process group) or a torch.distributed "
             f"ProcessGroup, got {type(state).__name__}"
@@ -656,6 +669,7 @@ def register(ddp_model, hook, state=None) -> None:
         # group, and a ProcessGroup held as the hook's state cannot be pickled.
         state = None if ddp_model.process_group is dist.group.WORLD else ddp_model.process_group
     elif not isinstance(state, dist.ProcessGroup):
+        _refuse_non_member(state, "state")
         raise TypeError(
             f"state must be None (the model's own process group) or a torch.distributed "
             f"ProcessGroup, got {type(state).__name__}"

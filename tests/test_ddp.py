@@ -800,6 +800,19 @@ def test_register_argument_errors(one_rank):
         fddp.register(model, fddp.allreduce_hook, state="world")
 
 
+@pytest.mark.parametrize("hook", ["allreduce", torch.bfloat16])
+def test_a_group_this_rank_is_not_in_is_named_as_such(one_rank, hook):
+    # What new_group() hands a rank it leaves out is an int (NON_GROUP_MEMBER): as a
+    # hook's state it was refused as "got int", which did not say why.
+    h = fddp.allreduce_hook if hook == "allreduce" else fddp.compress_hook(hook)
+    outside = dist.GroupMember.NON_GROUP_MEMBER
+    msg = r"is GroupMember.NON_GROUP_MEMBER, what new_group\(\) returns on a rank it leaves out: global rank 0"
+    with pytest.raises(TypeError, match="state " + msg):
+        fddp.register(DDP(Net()), h, state=outside)
+    with pytest.raises(TypeError, match="process_group " + msg):
+        h(outside, None)
+
+
 def test_register_takes_complex_parameters_as_ddp_buckets_them(one_rank):
     """DDP's buckets hold a complex gradient as its real view, so a compress hook casts
     float32 values (register refused complex64 parameters; the hook itself ran)."""
