@@ -736,9 +736,11 @@ def test_compress_hook_under_a_compiled_backward(one_rank, wire, backend):
 
 
 @pytest.mark.parametrize("hook", ["allreduce", torch.bfloat16])
-def test_hooks_refuse_the_python_reducers_tuples(hook):
+def test_hooks_refuse_the_python_reducers_tuples(one_rank, hook):
     # DDP built under optimize_ddp="python_reducer" calls hooks with (grad, param): a
     # bare AttributeError ("'tuple' object has no attribute 'buffer'") came out before.
+    # (one_rank: state None is the default group, which must exist; without the fixture
+    # the test passed only after another test had started it.)
     h = fddp.allreduce_hook if hook == "allreduce" else fddp.compress_hook(hook)
     p = nn.Parameter(torch.ones(3))
     with pytest.raises(TypeError, match=r"bucket must be a torch.distributed.GradBucket, got tuple.*python_reducer"):
