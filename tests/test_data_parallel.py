@@ -52,6 +52,18 @@ def reference_forward(model, tokens, k):
     return torch.cat(outs)
 
 
+def _backward_and_step(step, run, ref_run):
+    """Backward of both losses, the gradients compared, then both optimizer steps: each
+    run is ``(model, loss, optimizer)``, ``ref_run`` the one-device reference."""
+    (model, loss, opt), (ref, ref_loss, ref_opt) = run, ref_run
+    loss.backward()
+    ref_loss.backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **TOL, msg=f"step {step} grad {n}")
+    opt.step()
+    ref_opt.step()
+
+
 @pytest.mark.parametrize("k", [2, 3])
 def test_training_equivalence(k):
     torch.manual_seed(0)
@@ -72,12 +84,7 @@ def test_training_equivalence(k):
         loss = nn.functional.mse_loss(out, target)
         ref_loss = nn.functional.mse_loss(ref_out, target)
         torch.testing.assert_close(loss, ref_loss, **TOL)
-        loss.backward()
-        ref_loss.backward()
-        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, **TOL, msg=f"step {step} grad {n}")
-        opt.step()
-        ref_opt.step()
+        _backward_and_step(step, (model, loss, opt), (ref, ref_loss, ref_opt))
     for (n, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
         torch.testing.assert_close(a, b, **TOL, msg=f"final {n}")
 
@@ -256,12 +263,7 @@ def test_two_forwards_before_each_backward_allocate_no_replica_buffers(k):
         ref_loss = (nn.functional.softplus(-reference_forward(ref, real, k)).mean()
                     + nn.functional.softplus(reference_forward(ref, fake, k)).mean())
         torch.testing.assert_close(loss, ref_loss, **TOL, msg=f"step {step} loss")
-        loss.backward()
-        ref_loss.backward()
-        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, **TOL, msg=f"step {step} grad {n}")
-        opt.step()
-        ref_opt.step()
+        _backward_and_step(step, (model, loss, opt), (ref, ref_loss, ref_opt))
         allocations.append(_POOLS[model].allocations)
     assert allocations[1:] == allocations[:1] * 3, f"replica buffers allocated per step: {allocations}"
 
