@@ -180,8 +180,8 @@ def device_info(device) -> dict:
     return dict(hit)
 
 
-#: The kernel folder each device type's tuned backend runs (``TUNED_BACKENDS``).
-KERNEL_FOLDERS = {"cpu": "ops_numba", "cuda": "ops_triton"}
+#: The kernel folder each device type's tuned backend runs.
+KERNEL_FOLDERS = {device: f"ops_{backend}" for backend, device in TUNED_BACKENDS.items()}
 
 _kernels_digests: dict = {}
 

@@ -765,7 +765,7 @@ def _expanded_index(t: torch.Tensor):
     return tuple(slice(0, 1) if st == 0 and n > 1 else slice(None) for n, st in zip(t.shape, t.stride()))
 
 
-def _mismatch_message(module, tensors: list, signature: list, most: int, group, me: int, device) -> str:
+def _mismatch_message(names: list, tensors: list, signature: list, most: int, group, me: int, device) -> str:
     """What :func:`sync_params` raises when the ranks' modules differ: the first tensor
     whose shape, dtype, device type or contiguity is not the same on every rank, as this
     rank holds it. Found with one more ``all_reduce`` (every rank is on this path), of
@@ -779,8 +779,6 @@ def _mismatch_message(module, tensors: list, signature: list, most: int, group, 
     dist.all_reduce(check, op=dist.ReduceOp.MAX, group=group)
     highs, lows = check[:most].tolist(), (-check[most:]).tolist()
     first = next((i for i in range(most) if highs[i] != lows[i]), None)
-    names = [f"parameter {n!r}" for n, _ in module.named_parameters()]
-    names += [f"buffer {n!r}" for n, _ in module.named_buffers()]
     if first is None:  # only a checksum collision gets here
         what = "their parameters and buffers differ"
     elif first < len(tensors):
@@ -868,14 +866,16 @@ def sync_params(module, src: int = 0, process_group=None) -> None:
     # refuses them too (RuntimeError); refused here before any collective (on every rank
     # when none has run the forward; a rank that has would wait in the check below, as
     # it did before, until the group's timeout).
-    for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
-        for name, t in named:
-            if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
-                raise RuntimeError(
-                    f"sync_params: module has an uninitialized {kind} {name!r} (a lazy module before "
-                    "its first forward); run a forward pass on every rank first, then sync"
-                )
-    tensors = [t.detach() for t in [*module.parameters(), *module.buffers()]]
+    # One walk of the module gives the tensors and the names an error gives them.
+    named = [(f"parameter {n!r}", t) for n, t in module.named_parameters()]
+    named += [(f"buffer {n!r}", t) for n, t in module.named_buffers()]
+    for name, t in named:
+        if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
+            raise RuntimeError(
+                f"sync_params: module has an uninitialized {name} (a lazy module before "
+                "its first forward); run a forward pass on every rank first, then sync"
+            )
+    tensors = [t.detach() for _, t in named]
     # Wire groups: device -> tensors packed into one byte buffer (any dtype goes, even
     # one the backend cannot broadcast). Contiguous tensors go as byte views, so
     # unpacking writes the real tensors; a non-contiguous one goes through a contiguous
@@ -917,7 +917,7 @@ def sync_params(module, src: int = 0, process_group=None) -> None:
     dist.all_reduce(check, op=dist.ReduceOp.MAX, group=group)
     hi, lo = check[:2].tolist(), (-check[2:]).tolist()
     if hi != lo:
-        raise ValueError(_mismatch_message(module, tensors, signature, hi[1], group, me, device))
+        raise ValueError(_mismatch_message([n for n, _ in named], tensors, signature, hi[1], group, me, device))
 
     for dev, ws in wires.items():
         numel = sum(w.numel() for w in ws)
