@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import (ALL_DTYPES, assert_one_break_per_op, compiled_run, compiling_flag_on, FLOAT_DTYPES, TOL, assert_close, assert_unchanged, cuda, poison_, rand, snapshot,
+from conftest import (ALL_DTYPES, assert_one_break_per_op, assert_same_bits, compiled_run, compiling_flag_on, FLOAT_DTYPES, TOL, assert_close, assert_unchanged, cuda, poison_, rand, snapshot,
                       body_passed, RecordingMode)
 
 import fastpar
@@ -1971,6 +1971,106 @@ def test_numba_streamed_plain_copy(dtype, to_flat):
             margin = torch.cat([backing[:k], backing[k + total :]])
             unwritten = margin.isnan() if dtype.is_floating_point else margin == poison_(margin.clone())
             assert unwritten.all(), f"offset {k}: wrote outside the flat buffer"
+
+
+STREAM_CAST_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _streamed_cast_values(shape, dtype):
+    """Fresh values with every special (NaN, infinities, subnormals, float16 and
+    bfloat16 rounding ties and overflows) spread through them."""
+    from conftest import SPECIALS
+
+    t = rand(shape, dtype)
+    flat = t.view(-1)
+    if flat.numel():
+        specials = torch.tensor(SPECIALS, dtype=torch.float64).to(dtype)
+        where = torch.randperm(flat.numel())[: min(flat.numel(), 4 * len(SPECIALS))]
+        flat[where] = specials.repeat(4)[: len(where)]
+    return t
+
+
+#: Every (source, destination, scale) the streamed cast handles; a same-dtype copy
+#: without scale is a plain copy (test_numba_streamed_plain_copy).
+STREAM_CAST_CASES = [(s, d, scale) for s in STREAM_CAST_DTYPES for d in STREAM_CAST_DTYPES
+                     for scale in (None, 0.37) if s != d or scale is not None]
+
+
+@pytest.mark.parametrize("src,dst,scale", STREAM_CAST_CASES, ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("to_flat", [True, False], ids=["flatten", "unflatten_into"])
+def test_numba_streamed_cast(to_flat, src, dst, scale, monkeypatch):
+    # Numba casts and scales among float32, float16 and bfloat16 moving 32 MiB+ write
+    # 16 elements at a time with streaming stores from the destination's first 32-byte
+    # boundary (_common.cast_stream_for): forced on here for small sizes, the
+    # destination at offsets that give every head length, so heads, vector bodies and
+    # tails are all covered; the bits must be torch's (x * scale in float32, rounded
+    # once), and poisoned margins show stray writes.
+    from fastpar import _dispatch
+    from fastpar._plan import plan_for
+    from fastpar.kernels.ops_numba import _common as C
+    from fastpar.kernels.ops_numba import flatten as nf
+
+    chosen = []
+    real = nf._copy_kernel_for
+    monkeypatch.setattr(nf, "_copy_kernel_for", lambda *a: chosen.append(a[-1]) or real(*a))
+    shapes = [(7,), (3, 5), (), (0,), (2, 3, 1), (70_001,), (33,)]
+    src_ts = [_streamed_cast_values(s, src) for s in shapes]
+    total = sum(t.numel() for t in src_ts)
+    _, launch = _dispatch.kernel("flatten" if to_flat else "unflatten_into", torch.device("cpu"))
+    # The parallel kernels (slower to compile) for float32 sources: the vector path is
+    # the same code inside the prange.
+    parallel_min_bytes = 0 if src == torch.float32 else 1 << 62
+    knobs = {"stream_min_bytes": 0, "parallel_min_bytes": parallel_min_bytes, "chunk": 4096}
+
+    def expect(t):
+        x = t.reshape(-1).to(torch.float32)
+        return (x if scale is None else x * scale).to(dst)
+
+    for k in (0, 1, 5, 15, 16, 17):
+        if to_flat:
+            backing = poison_(torch.empty(total + 20, dtype=dst))
+            flat = backing[k : k + total]
+            (g,) = plan_for(src_ts, "tensors").groups
+            launch(g, flat, scale, **knobs)
+            assert_same_bits(flat, torch.cat([expect(t) for t in src_ts]), f"offset {k}", nan_payloads=True)
+            margins = [torch.cat([backing[:k], backing[k + total :]])]
+        else:
+            flat = poison_(torch.empty(total + 20, dtype=src))[k : k + total]
+            flat.copy_(torch.cat([t.reshape(-1) for t in src_ts]))
+            # Each destination at its own offset in its own poisoned backing.
+            backings = [poison_(torch.empty(t.numel() + 20, dtype=dst)) for t in src_ts]
+            dsts = [b[(k + i) % 17 : (k + i) % 17 + t.numel()].view(t.shape) for i, (b, t) in enumerate(zip(backings, src_ts))]
+            (g,) = plan_for(dsts, "tensors").groups
+            launch(g, flat, scale, **knobs)
+            for i, (d, t) in enumerate(zip(dsts, src_ts)):
+                assert_same_bits(d.reshape(-1), expect(t), f"offset {k}, tensor {i}", nan_payloads=True)
+            margins = [torch.cat([b[: (k + i) % 17], b[(k + i) % 17 + t.numel() :]])
+                       for i, (b, t) in enumerate(zip(backings, src_ts))]
+        assert all(m.isnan().all() for m in margins), f"offset {k}: wrote outside the destination"
+    assert chosen and set(chosen) == {(C.CAST_KINDS[src], C.CAST_KINDS[dst])}, \
+        f"the streamed cast was not the kernel chosen: {chosen}"
+
+
+@pytest.mark.parametrize("dst", STREAM_CAST_DTYPES, ids=str)
+def test_numba_streamed_cast_into_a_misaligned_destination(dst):
+    # A destination whose address is not a multiple of its element size (a numpy
+    # buffer at an odd offset) never reaches a 32-byte boundary: its blocks take the
+    # typed loop whole, rather than a vector store at an address it would fault on.
+    from fastpar import _dispatch
+    from fastpar._plan import plan_for
+
+    src_ts = [_streamed_cast_values((1000,), torch.float32), _streamed_cast_values((37,), torch.float32)]
+    total = 1037
+    _, launch = _dispatch.kernel("flatten", torch.device("cpu"))
+    for byte in range(1, dst.itemsize):
+        raw = np.frombuffer(bytearray(total * dst.itemsize + 64), dtype=np.uint8)
+        np_view = raw[byte : byte + total * dst.itemsize].view(np.int16 if dst.itemsize == 2 else np.int32)
+        flat = torch.from_numpy(np_view).view(dst)
+        assert flat.data_ptr() % dst.itemsize == byte % dst.itemsize
+        (g,) = plan_for(src_ts, "tensors").groups
+        launch(g, flat, 0.5, stream_min_bytes=0, parallel_min_bytes=0, chunk=256)
+        exp = torch.cat([(t * 0.5).to(dst) for t in src_ts])
+        assert_same_bits(flat, exp, f"{byte} bytes past alignment", nan_payloads=True)
 
 
 def test_large_plain_copies_stream_correctly():

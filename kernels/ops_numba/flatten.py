@@ -21,17 +21,28 @@ DEFAULT_CHUNK = 65536
 #: more than it saves, and on a busy machine a parallel region can wait a whole
 #: scheduler quantum (~4-8 ms) for a descheduled worker.
 DEFAULT_PARALLEL_MIN_BYTES = 4 << 20
-#: Plain copies (flatten and unflatten_into without cast or scale, and broadcast)
-#: writing at least this many bytes use streaming stores (half the
-#: 32 MiB L3 of the machine it was measured on: smaller results may still be in cache
-#: when they are next read).
-DEFAULT_STREAM_MIN_BYTES = 16 << 20
+#: flatten and unflatten_into calls moving (reading + writing) at least this many bytes
+#: write with streaming stores (the 32 MiB L3 of the machine it was measured on: a
+#: smaller result may still be in cache when it is next read): plain copies, and casts
+#: and scales among float32, float16 and bfloat16.
+DEFAULT_STREAM_MIN_BYTES = 32 << 20
+#: broadcast calls writing at least this many bytes (to all buffers together) write
+#: with streaming stores.
+DEFAULT_BROADCAST_STREAM_MIN_BYTES = 16 << 20
 
 
 @functools.cache
-def _copy_kernel_for(src_kind: str, dst_kind: str, scaled: bool, to_flat: bool, parallel: bool, stream: bool):
+def _copy_kernel_for(src_kind: str, dst_kind: str, scaled: bool, to_flat: bool, parallel: bool, stream: bool,
+                     cast: tuple | None = None):
+    """``stream``: a plain copy written with streaming stores (``C.copy_bytes``);
+    ``cast``: (source, destination) ``C.CAST_KINDS`` of a cast or scale written with
+    streaming stores (``C.cast_stream_for``); neither: the typed loop."""
     load = C.LOADS[src_kind]
     store = C.STORES[dst_kind]
+    streamed_cast = cast is not None
+    # (A stand-in without it: the branch that calls it is compiled either way.)
+    cast_stream = C.cast_stream_for(*cast, scaled) if streamed_cast else C.cast_stream_for("f32", "f32", scaled)
+    lanes = C.CAST_LANES
 
     @numba.njit(parallel=parallel, nogil=True)
     def _copy_kernel(
@@ -67,13 +78,34 @@ def _copy_kernel_for(src_kind: str, dst_kind: str, scaled: bool, to_flat: bool, 
                 continue
             s = numba.carray(C.address_as_pointer(src_addr, src_proto), (m,))
             d = numba.carray(C.address_as_pointer(dst_addr, dst_proto), (m,))
+            # The typed loop covers [0, body) and [end, m): everything unless streamed.
+            body = m
+            end = m
+            if streamed_cast:
+                # A large cast or scale: the typed loop up to the first 32-byte boundary
+                # of the destination, CAST_LANES elements at a time with streaming
+                # stores from there, the typed loop for the rest. A destination not
+                # aligned to its element size never reaches a boundary: all typed loop.
+                head = min(m, ((-dst_addr) & 31) // dst_size)
+                if ((dst_addr + head * dst_size) & 31) == 0:
+                    body = head
+                    end = head + (m - head) // lanes * lanes
+                    for i in range(body, end, lanes):
+                        cast_stream(dst_addr + i * dst_size, src_addr + i * src_size, np.float32(scale))
             # Unsigned indices: Numba skips negative-index wrap-around for them, which
             # lets LLVM vectorise the loop (6x faster than a signed index here).
-            for i in range(np.uint64(m)):
+            for i in range(np.uint64(body)):
                 v = load(s, i)
                 if scaled:
                     v = v * scale
                 store(d, i, v)
+            for i in range(np.uint64(end), np.uint64(m)):
+                v = load(s, i)
+                if scaled:
+                    v = v * scale
+                store(d, i, v)
+            if streamed_cast:
+                C.store_fence()  # before this worker reports the block done
 
     return _copy_kernel
 
@@ -93,10 +125,16 @@ def bind_copy(group, flat: torch.Tensor, scale, to_flat: bool, *, chunk: int = D
     src_kind, src_np = C.storage(src_dtype, raw)
     dst_kind, dst_np = C.storage(dst_dtype, raw)
     parallel = group.numel * (src_dtype.itemsize + dst_dtype.itemsize) >= parallel_min_bytes and C.parallel_ok()
-    # Streamed only from stream_min_bytes: smaller results may still be in cache when
-    # next read, and for small tensors the inline typed loop beats a memcpy call each.
-    stream = raw and C.HAS_STREAM and group.numel * dst_dtype.itemsize >= stream_min_bytes
-    kernel = _copy_kernel_for(src_kind, dst_kind, scale is not None, to_flat, parallel, stream)
+    # Streamed only from stream_min_bytes moved: smaller results may still be in cache
+    # when next read, and for small tensors the inline typed loop beats a memcpy call
+    # each. Casts and scales stream among float32, float16 and bfloat16 (the kinds the
+    # vector cast handles; others keep the typed loop at every size).
+    big = C.HAS_STREAM and group.numel * (src_dtype.itemsize + dst_dtype.itemsize) >= stream_min_bytes
+    stream = raw and big
+    cast = None
+    if big and not raw and src_dtype in C.CAST_KINDS and dst_dtype in C.CAST_KINDS:
+        cast = (C.CAST_KINDS[src_dtype], C.CAST_KINDS[dst_dtype])
+    kernel = _copy_kernel_for(src_kind, dst_kind, scale is not None, to_flat, parallel, stream, cast)
     block_tensor, block_start = group.blocks(chunk)
     if len(block_tensor) == 0:
         return None
@@ -110,7 +148,7 @@ def bind_copy(group, flat: torch.Tensor, scale, to_flat: bool, *, chunk: int = D
     op = "flatten" if to_flat else "unflatten_into"
 
     launch = C.bound_launch(kernel, parallel,
-                            lambda: _copy_kernel_for(src_kind, dst_kind, scale is not None, to_flat, False, stream))
+                            lambda: _copy_kernel_for(src_kind, dst_kind, scale is not None, to_flat, False, stream, cast))
 
     def run() -> None:
         launch(*args)
@@ -132,7 +170,8 @@ def flatten(group, out: torch.Tensor, scale: float | None, *, chunk: int = DEFAU
             stream_min_bytes: int = DEFAULT_STREAM_MIN_BYTES) -> None:
     """Copy every tensor of ``group`` into ``out[offset : offset + numel]``, cast to
     ``out.dtype`` and multiplied by ``scale`` when given. One launch. A plain copy (same
-    dtype, no scale) writing ``stream_min_bytes`` or more uses streaming stores."""
+    dtype, no scale), or a cast or scale among float32, float16 and bfloat16, reading and
+    writing ``stream_min_bytes`` or more together writes with streaming stores."""
     _launch_copy(group, out, scale, True, chunk, parallel_min_bytes, stream_min_bytes)
 
 
@@ -141,7 +180,8 @@ def unflatten_into(group, flat: torch.Tensor, scale: float | None, *, chunk: int
                    stream_min_bytes: int = DEFAULT_STREAM_MIN_BYTES) -> None:
     """Copy ``flat[offset : offset + numel]`` into every tensor of ``group``, cast to
     the group's dtype and multiplied by ``scale`` when given. One launch. A plain copy
-    writing ``stream_min_bytes`` or more uses streaming stores."""
+    or a cast or scale among float32, float16 and bfloat16, reading and writing
+    ``stream_min_bytes`` or more together writes with streaming stores."""
     _launch_copy(group, flat, scale, False, chunk, parallel_min_bytes, stream_min_bytes)
 
 
@@ -179,7 +219,7 @@ def _broadcast_kernel_for(parallel: bool):
 
 def broadcast(group, outs: list, *, chunk: int = DEFAULT_CHUNK,
               parallel_min_bytes: int = DEFAULT_PARALLEL_MIN_BYTES,
-              stream_min_bytes: int = DEFAULT_STREAM_MIN_BYTES) -> None:
+              stream_min_bytes: int = DEFAULT_BROADCAST_STREAM_MIN_BYTES) -> None:
     """Copy every tensor of ``group`` into ``out[offset : offset + numel]`` of every
     ``out`` in ``outs`` (contiguous, of the group's dtype, none overlapping the group).
     One launch, whatever the number of tensors and buffers. When the call writes at
