@@ -2292,7 +2292,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
 
 from conftest import (  # noqa: E402
-    LAYOUTS, assert_same_bits, backend_properties, build, examples, seeded, tensor_specs)
+    LAYOUTS, backend_properties, build, examples, seeded, tensor_specs)
 
 def expected_flatten(ts, dtype, scale):
     """What the docstring promises, per tensor: ``Tensor.to(dtype)``, or with a scale
