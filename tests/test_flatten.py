@@ -2051,6 +2051,62 @@ def test_numba_streamed_cast(to_flat, src, dst, scale, monkeypatch):
         f"the streamed cast was not the kernel chosen: {chosen}"
 
 
+@pytest.mark.parametrize("threads", [2, 3, 4])
+def test_numba_balanced_chunk(threads, monkeypatch):
+    # A parallel launch over one tensor (a DDP bucket) splits it into a multiple of the
+    # thread count of equal blocks: prange gives each thread an equal run of blocks,
+    # and 7 blocks on 2 threads left one thread 4 (a chunk tuned at another size).
+    from fastpar.kernels.ops_numba import _common as C
+
+    monkeypatch.setattr(C.numba, "get_num_threads", lambda: threads)
+    one = lambda n: np.array([n], dtype=np.int64)  # noqa: E731
+    for n, chunk in [(6_553_600, 1 << 20), (6_553_600, 65536), (4_194_304, 1 << 20), (1_000_003, 4096),
+                     (10_000_000, 3_000_000), (123_457, 20_000), (5_000_000, 5_000_000), (130, 60)]:
+        c = C.balanced_chunk(one(n), chunk, True)
+        mapped = -(-n // chunk)
+        if mapped % threads == 0 or mapped >= 8 * threads:
+            assert c == chunk, f"n={n}: chunk {chunk} ({mapped} blocks on {threads} threads) was changed to {c}"
+        elif n >= 64 * 8 * threads:
+            blocks = -(-n // c)
+            assert blocks % threads == 0, f"n={n}, chunk={chunk}: {blocks} blocks of {c} on {threads} threads"
+            assert c % 64 == 0 and c <= chunk + 63, (n, chunk, c)
+        else:  # so small that 64-element blocks may merge: balanced, or as mapped
+            assert c == chunk or -(-n // c) % threads == 0, (n, chunk, c)
+    # Serial launches and groups of several tensors keep their chunk.
+    assert C.balanced_chunk(one(6_553_600), 1 << 20, False) == 1 << 20
+    assert C.balanced_chunk(np.array([6_553_600, 5], dtype=np.int64), 1 << 20, True) == 1 << 20
+
+
+@pytest.mark.parametrize("scale", [None, 0.5])
+@pytest.mark.parametrize("to_flat", [True, False], ids=["flatten", "unflatten_into"])
+def test_numba_balanced_blocks_cover_one_tensor(to_flat, scale, monkeypatch):
+    # The balanced chunk reaches the kernel: a parallel pass over one tensor whose chunk
+    # leaves an odd block count writes every element once, in blocks that split evenly.
+    from fastpar import _dispatch
+    from fastpar._plan import plan_for
+
+    seen = []
+    real = type(plan_for([torch.zeros(1)], "tensors", cache=False).groups[0]).blocks
+    monkeypatch.setattr(type(plan_for([torch.zeros(1)], "tensors", cache=False).groups[0]), "blocks",
+                        lambda self, block: seen.append((self.numel, block)) or real(self, block))
+    n = 70_001
+    src = rand((n,), torch.float32)
+    _, launch = _dispatch.kernel("flatten" if to_flat else "unflatten_into", torch.device("cpu"))
+    for chunk in (9_000, 23_000, 30_001):  # 8, 4 and 3 blocks
+        seen.clear()
+        dst = poison_(torch.empty(n, dtype=torch.bfloat16))
+        if to_flat:
+            (g,) = plan_for([src], "tensors", cache=False).groups
+            launch(g, dst, scale, chunk=chunk, parallel_min_bytes=0)
+        else:
+            (g,) = plan_for([dst], "tensors", cache=False).groups
+            launch(g, src, scale, chunk=chunk, parallel_min_bytes=0)
+        expect = (src if scale is None else src * scale).to(torch.bfloat16)
+        assert_same_bits(dst, expect, f"chunk {chunk}", nan_payloads=True)
+        (numel, block), = seen
+        assert -(-n // block) % torch.get_num_threads() == 0 or block == chunk, (chunk, block)
+
+
 @pytest.mark.parametrize("dst", STREAM_CAST_DTYPES, ids=str)
 def test_numba_streamed_cast_into_a_misaligned_destination(dst):
     # A destination whose address is not a multiple of its element size (a numpy

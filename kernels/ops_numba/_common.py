@@ -412,6 +412,27 @@ def bound_launch(kernel, parallel: bool, serial):
     return launch
 
 
+def balanced_chunk(numels: np.ndarray, chunk: int, parallel: bool) -> int:
+    """The chunk a launch of ``chunk`` elements per block uses over tensors of
+    ``numels``: ``chunk`` itself, except for a parallel launch over one tensor (a DDP
+    bucket) in fewer than 8 blocks a thread, whose block count is rounded up to a
+    multiple of the thread count and its blocks made equal (a multiple of 64 elements).
+    ``prange`` hands each thread an equal run of blocks: 7 blocks on 2 threads leave one
+    thread 4 and the call 10-14% longer, measured with the chunk of 1M elements tuned at
+    4M on a 6.5M-element bucket. With 8 blocks a thread or more, one block more is at
+    most an eighth of a thread's share; and many tensors are left as mapped."""
+    if not parallel or len(numels) != 1 or chunk < 1:
+        return chunk
+    n, threads = int(numels[0]), numba.get_num_threads()
+    blocks = -(-n // chunk)
+    if blocks % threads == 0 or blocks >= 8 * threads:
+        return chunk
+    blocks = -(-blocks // threads) * threads
+    even = -(-(-(-n // blocks)) // 64) * 64
+    # (Rounding up to 64 can merge the last blocks of a tiny tensor: then as mapped.)
+    return even if -(-n // even) % threads == 0 else chunk
+
+
 def parallel_ok() -> bool:
     """False where a parallel region may not start or is not wanted: in a process forked
     after ``import fastpar`` or in a DataLoader worker (:func:`fastpar.kernels._launch.forked`),

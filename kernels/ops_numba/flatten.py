@@ -135,6 +135,7 @@ def bind_copy(group, flat: torch.Tensor, scale, to_flat: bool, *, chunk: int = D
     if big and not raw and src_dtype in C.CAST_KINDS and dst_dtype in C.CAST_KINDS:
         cast = (C.CAST_KINDS[src_dtype], C.CAST_KINDS[dst_dtype])
     kernel = _copy_kernel_for(src_kind, dst_kind, scale is not None, to_flat, parallel, stream, cast)
+    chunk = C.balanced_chunk(group.numels, chunk, parallel)
     block_tensor, block_start = group.blocks(chunk)
     if len(block_tensor) == 0:
         return None

@@ -79,11 +79,12 @@ def bind(group, factor: float, divide: bool, *, chunk: int = DEFAULT_CHUNK,
         )
     if chunk < 1:
         raise ValueError(f"chunk must be a positive number of elements, got {chunk}")
+    kind, storage = C.KINDS[group.dtype]
+    parallel = group.numel * 2 * group.dtype.itemsize >= parallel_min_bytes and C.parallel_ok()
+    chunk = C.balanced_chunk(group.numels, chunk, parallel)
     block_tensor, block_start = group.blocks(chunk)
     if len(block_tensor) == 0:
         return None
-    kind, storage = C.KINDS[group.dtype]
-    parallel = group.numel * 2 * group.dtype.itemsize >= parallel_min_bytes and C.parallel_ok()
     kernel = _scale_kernel_for(kind, bool(divide), parallel)
     args = (group.addrs, group.numels, block_tensor, block_start, chunk,
             C.compute_scale(group.dtype, group.dtype, factor), np.empty(0, storage))
