@@ -303,8 +303,9 @@ def cast_stream_for(src_kind: str, dst_kind: str, scaled: bool):
             dst_addr, src_addr, factor = args
             i8p = ir.IntType(8).as_pointer()
             prefetch_ty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-            prefetch = builder.module.globals.get("llvm.prefetch.p0i8") or ir.Function(
-                builder.module, prefetch_ty, "llvm.prefetch.p0i8")
+            # (declare_intrinsic names it for this llvmlite: "p0i8" with typed pointers,
+            # "p0" with opaque ones.)
+            prefetch = builder.module.declare_intrinsic("llvm.prefetch", [i8p], prefetch_ty)
             ahead = builder.inttoptr(builder.add(src_addr, ir.Constant(i64, PREFETCH_BYTES)), i8p)
             # (read, keep in all cache levels, data): prefetches never fault, so one past
             # the source's end is harmless.
