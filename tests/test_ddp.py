@@ -1686,3 +1686,77 @@ def test_sync_params_unpacks_without_handing_a_mode_its_internal_call():
         fddp._unpack(flat, dst)
     assert fastpar.unflatten_into not in mode.seen, mode.seen
     assert all(torch.equal(d, t) for d, t in zip(dst, src))
+
+
+# ---------------------------------------------------------------------------------------
+# A bucket big enough for the streamed cast (two processes).
+
+
+class BigNet(nn.Module):
+    """One 7.08M-element weight (28.3 MB): alone in its bucket with ``bucket_cap_mb=25``,
+    and its compress and decompress passes move 42 MB, past the Numba copy kernel's
+    32 MiB streaming threshold."""
+
+    def __init__(self):
+        super().__init__()
+        self.big = nn.Linear(2048, 3456, bias=False)
+        self.head = nn.Linear(3456, 4)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.big(x)))
+
+
+def _big_bucket_worker(rank):
+    from fastpar.kernels.ops_numba import flatten as numba_flatten
+
+    casts = set()
+    real = numba_flatten._copy_kernel_for
+
+    def recording(*args):  # the last argument: the streamed cast's kinds, or None
+        casts.add(args[-1])
+        return real(*args)
+
+    numba_flatten._copy_kernel_for = recording
+    out = {"casts": casts}
+    for name, (hook, bucket_view) in {"fastpar_fp16": ("fastpar_fp16", False),
+                                      "fastpar_fp16/bucket_view": ("fastpar_fp16", True),
+                                      "fastpar_bf16": ("fastpar_bf16", False),
+                                      "torch_fp16": ("torch_fp16", False),
+                                      "torch_bf16_logic": ("torch_bf16_logic", False)}.items():
+        torch.manual_seed(0)
+        net = BigNet()
+        model = DDP(net, bucket_cap_mb=25, gradient_as_bucket_view=bucket_view)
+        model.register_comm_hook(None, HOOKS[hook])
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.5)
+        gen = torch.Generator().manual_seed(1000 + rank)
+        grads0 = None
+        for step in range(3):
+            x, target = torch.randn(4, 2048, generator=gen), torch.randn(4, 4, generator=gen)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), target).backward()
+            if step == 0:
+                grads0 = [p.grad.clone() for p in net.parameters()]
+            opt.step()
+        out[name] = {"grads0": grads0, "params": [p.detach().clone() for p in net.parameters()]}
+    return out
+
+
+@pytest.mark.slow
+def test_compress_hooks_on_a_bucket_big_enough_to_stream():
+    # The DDP compress hooks' passes over a 28 MB float32 bucket take the Numba kernel's
+    # streamed cast (vector conversion, non-temporal stores); training with them matches
+    # torch's own compress logic, also with gradient_as_bucket_view=True.
+    results = run_ranks(_big_bucket_worker)
+    for rank, res in enumerate(results):
+        assert {("f32", "f16"), ("f16", "f32"), ("f32", "bf16"), ("bf16", "f32")} <= res["casts"], res["casts"]
+        for mine, ref, how in [("fastpar_fp16", "torch_fp16", "fp16"), ("fastpar_fp16/bucket_view", "torch_fp16", "fp16"),
+                               ("fastpar_bf16", "torch_bf16_logic", "bf16_tight")]:
+            (g_rtol, g_atol), (p_rtol, p_atol) = TOLERANCES[how]
+            for i, (got, exp) in enumerate(zip(res[mine]["grads0"], res[ref]["grads0"])):
+                assert_close(got, exp, what=f"rank {rank} {mine} gradient {i}",
+                             tol=(g_rtol, g_atol * float(exp.abs().max())))
+            for i, (got, exp) in enumerate(zip(res[mine]["params"], res[ref]["params"])):
+                assert_close(got, exp, what=f"rank {rank} {mine} parameter {i}", tol=(p_rtol, p_atol))
+    for name in ("fastpar_fp16", "fastpar_bf16"):
+        for a, b in zip(results[0][name]["params"], results[1][name]["params"]):
+            assert torch.equal(a, b), f"{name}: ranks hold different parameters after training"
