@@ -2129,6 +2129,140 @@ def test_numba_streamed_cast_into_a_misaligned_destination(dst):
         assert_same_bits(flat, exp, f"{byte} bytes past alignment", nan_payloads=True)
 
 
+#: Scales whose products overflow float16 (1e5), go subnormal or to zero (1e-45), are
+#: beyond float32 (1e39: inf), signed zeros and infinities. A NaN scale is left out of
+#: the bit comparison: with two NaN operands x86 returns either one's payload, and the
+#: typed loop itself gives different ones in its vectorised body and its remainder.
+_BITS_SCALES = [None, 0.37, -2.5, 0.0, -0.0, float("inf"), float("-inf"), 1e5, 1e-45, 1e39]
+
+
+def _random_bits(n, dtype, gen):
+    """``n`` elements of ``dtype`` with uniformly random bits (every NaN payload, signalling
+    NaNs, subnormals, infinities), half of them overwritten with ordinary values."""
+    ints = torch.int16 if dtype.itemsize == 2 else torch.int32
+    info = torch.iinfo(ints)
+    t = torch.randint(info.min, info.max + 1, (n,), dtype=ints, generator=gen).view(dtype).clone()
+    t[::2] = (torch.randn((n + 1) // 2, generator=gen) * 100).to(dtype)
+    return t
+
+
+def _bit_sentinel(n, dtype):
+    """A buffer of ``n`` elements of ``dtype`` holding a non-NaN bit pattern, so that any
+    write over it, a NaN included, shows."""
+    ints = torch.int16 if dtype.itemsize == 2 else torch.int32
+    return torch.full((n,), 0x5A5B if dtype.itemsize == 2 else 0x5A5B5C5D, dtype=ints).view(dtype)
+
+
+@pytest.mark.parametrize("src,dst", [(s, d) for s in STREAM_CAST_DTYPES for d in STREAM_CAST_DTYPES],
+                         ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("to_flat", [True, False], ids=["flatten", "unflatten_into"])
+def test_numba_streamed_cast_matches_the_typed_loop_bit_for_bit(to_flat, src, dst):
+    # _common.cast_stream_for promises the bits LOADS/STORES give one element at a time:
+    # the streamed launch (stream_min_bytes=0) and the typed one (never streamed) over
+    # the same random bit patterns must leave the same bytes everywhere, NaN payloads
+    # included, and the margins around and the gaps between destinations (a non-NaN
+    # sentinel, unlike NaN poison) untouched. Chunks not a multiple of 16, tensors ending
+    # mid-block and destinations at every element offset modulo 32 bytes.
+    from fastpar import _dispatch
+    from fastpar._plan import plan_for
+
+    gen = torch.Generator().manual_seed(STREAM_CAST_DTYPES.index(src) * 6 + STREAM_CAST_DTYPES.index(dst) * 2 + to_flat)
+    _, launch = _dispatch.kernel("flatten" if to_flat else "unflatten_into", torch.device("cpu"))
+    numels = [0, 1, 15, 16, 17, 33, 257, 4099, 3]
+    srcs = [_random_bits(n, src, gen) for n in numels]
+    total = sum(numels)
+    gaps = [int(g) for g in torch.randint(0, 6, (len(numels),), generator=gen)]
+    parallel_min_bytes = 0 if src == torch.float32 else 1 << 62
+    for scale in _BITS_SCALES:
+        if scale is None and src == dst:
+            continue  # a plain copy (test_numba_streamed_plain_copy)
+        for k, chunk in [(0, 4096), (3, 100), (7, 17), (16, 250)]:
+            seen = []
+            for stream_min_bytes in (0, 1 << 62):
+                knobs = {"stream_min_bytes": stream_min_bytes, "parallel_min_bytes": parallel_min_bytes,
+                         "chunk": chunk}
+                if to_flat:
+                    backing = _bit_sentinel(k + total + 40, dst)
+                    (g,) = plan_for(srcs, "tensors", cache=False).groups
+                    launch(g, backing[k : k + total], scale, **knobs)
+                else:
+                    flat = torch.cat(srcs)
+                    backing = _bit_sentinel(k + total + sum(gaps) + 40, dst)
+                    dsts, at = [], k
+                    for n, gap in zip(numels, gaps):
+                        dsts.append(backing[at + gap : at + gap + n])
+                        at += gap + n
+                    (g,) = plan_for(dsts, "tensors", cache=False).groups
+                    launch(g, flat, scale, **knobs)
+                seen.append(backing.view(torch.int16 if dst.itemsize == 2 else torch.int32).clone())
+            streamed, typed = seen
+            differ = (streamed != typed).nonzero().flatten()
+            assert not len(differ), (f"scale {scale}, offset {k}, chunk {chunk}: streamed and typed launches "
+                                     f"left different bytes at elements {differ[:8].tolist()}")
+            # And torch's values (x * scale in float32, rounded once; any NaN for a NaN).
+            x = torch.cat(srcs).to(torch.float32)
+            expect = (x if scale is None else x * torch.tensor(scale, dtype=torch.float32)).to(dst)
+            written = backing[k : k + total] if to_flat else torch.cat([d.reshape(-1) for d in dsts])
+            assert_same_bits(written, expect, f"scale {scale}, offset {k}", nan_payloads=True)
+
+
+@pytest.mark.parametrize("to_flat", [True, False], ids=["flatten", "unflatten_into"])
+def test_numba_streamed_cast_with_misaligned_sources_and_destinations(to_flat):
+    # Sources and destinations whose addresses are not multiples of their element size
+    # (numpy buffers at odd byte offsets): the vector loads read them unaligned, the
+    # destinations take the typed loop whole; the bytes around every destination are
+    # left alone.
+    from fastpar import _dispatch
+    from fastpar._plan import plan_for
+
+    _, launch = _dispatch.kernel("flatten" if to_flat else "unflatten_into", torch.device("cpu"))
+    gen = torch.Generator().manual_seed(3)
+    numels = [1000, 37, 0, 515]
+    total = sum(numels)
+
+    def at_byte(n, dtype, byte, fill):
+        raw = np.full(n * dtype.itemsize + 64, fill, dtype=np.uint8)
+        view = raw[byte : byte + n * dtype.itemsize].view(np.int16 if dtype.itemsize == 2 else np.int32)
+        return raw, torch.from_numpy(view).view(dtype)
+
+    for src, dst in [(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+                     (torch.bfloat16, torch.float32), (torch.float16, torch.float32), (torch.float16, torch.bfloat16)]:
+        values = [(torch.randn(n, generator=gen) * 100).to(src) for n in numels]
+        x = torch.cat(values).to(torch.float32)
+        expect = (x * 0.37).to(dst)
+        for src_byte, dst_byte in [(1, 0), (0, 1), (3, 1), (2, 3)]:
+            src_byte %= src.itemsize * 2  # (a float32 source also 2 bytes off)
+            raws = []
+            if to_flat:
+                ins = []
+                for v in values:
+                    raw, t = at_byte(v.numel(), src, src_byte, 0)
+                    t.copy_(v)
+                    raws.append(raw)
+                    ins.append(t)
+                raw, flat = at_byte(total, dst, dst_byte, 0xA5)
+                (g,) = plan_for(ins, "tensors", cache=False).groups
+                launch(g, flat, 0.37, stream_min_bytes=0, parallel_min_bytes=0, chunk=256)
+                outs, out_raws, byte_offsets = [flat], [raw], [dst_byte]
+            else:
+                _, flat = at_byte(total, src, src_byte, 0)
+                flat.copy_(torch.cat(values))
+                outs, out_raws, byte_offsets = [], [], []
+                for i, n in enumerate(numels):
+                    b = (dst_byte + i) % 4
+                    raw, t = at_byte(n, dst, b, 0xA5)
+                    outs.append(t)
+                    out_raws.append(raw)
+                    byte_offsets.append(b)
+                (g,) = plan_for(outs, "tensors", cache=False).groups
+                launch(g, flat, 0.37, stream_min_bytes=0, parallel_min_bytes=0, chunk=256)
+            what = f"{src} -> {dst}, source {src_byte} and destination {dst_byte} bytes off"
+            assert_same_bits(torch.cat([o.reshape(-1) for o in outs]), expect, what, nan_payloads=True)
+            for raw, o, b in zip(out_raws, outs, byte_offsets):
+                margin = np.concatenate([raw[:b], raw[b + o.numel() * dst.itemsize :]])
+                assert (margin == 0xA5).all(), f"{what}: wrote outside a destination"
+
+
 def test_large_plain_copies_stream_correctly():
     # Over 16 MiB through the public API (the streamed path), odd sizes, misaligned.
     ts = [rand((4_500_001,), torch.float32), rand((3,), torch.float32), rand((129, 7), torch.float32)]
