@@ -3,6 +3,7 @@ references, with poisoned outputs, edge sizes and every accepted dtype."""
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -2261,6 +2262,33 @@ def test_numba_streamed_cast_with_misaligned_sources_and_destinations(to_flat):
             for raw, o, b in zip(out_raws, outs, byte_offsets):
                 margin = np.concatenate([raw[:b], raw[b + o.numel() * dst.itemsize :]])
                 assert (margin == 0xA5).all(), f"{what}: wrote outside a destination"
+
+
+@pytest.mark.parametrize("chunk", ["4096", None, 30_001.0], ids=repr)
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "serial"])
+def test_numba_one_tensor_launch_names_a_bad_chunk(parallel, chunk):
+    # A chunk that is not a positive int is refused naming the value given, before
+    # anything is written, on the serial path and on a parallel launch over one tensor
+    # alike (flatten's launcher did so on both before 992b7e8). _common.balanced_chunk
+    # (992b7e8) now runs first on the latter: it compares a string or None with 1
+    # (TypeError, nothing named) and turns 30001.0 into the balanced 17536.0, the value
+    # the error then names. scale.bind's own check (chunk < 1) raised the same
+    # TypeError for a string or None on both paths already.
+    from fastpar import _dispatch
+    from fastpar._plan import plan_for
+    from fastpar.kernels.ops_numba import scale as numba_scale
+
+    x = rand((70_001,), torch.float32)
+    (g,) = plan_for([x], "tensors", cache=False).groups
+    _, launch = _dispatch.kernel("flatten", torch.device("cpu"))
+    out = poison_(torch.empty(70_001, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=re.escape(repr(chunk))):
+        launch(g, out, 0.5, chunk=chunk, parallel_min_bytes=0 if parallel else 1 << 62)
+    assert out.isnan().all(), "a refused launch wrote"
+    before = x.clone()
+    with pytest.raises(ValueError, match=re.escape(repr(chunk))):
+        numba_scale.bind(g, 0.5, False, chunk=chunk, parallel_min_bytes=0 if parallel else 1 << 62)
+    assert torch.equal(x, before), "a refused scale wrote"
 
 
 def test_large_plain_copies_stream_correctly():
