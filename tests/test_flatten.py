@@ -2291,6 +2291,40 @@ def test_numba_one_tensor_launch_names_a_bad_chunk(parallel, chunk):
     assert torch.equal(x, before), "a refused scale wrote"
 
 
+def test_numba_stream_thresholds(monkeypatch):
+    # The streaming decision the README states: flatten/unflatten_into stream from 32 MiB
+    # read + written (DEFAULT_STREAM_MIN_BYTES), so a plain float32 copy from 16 MiB
+    # written and a float32 <-> bfloat16/float16 cast (a DDP compress or decompress pass)
+    # from 5,592,406 elements (a 21.33 MiB float32 bucket); casts to other dtypes never.
+    from fastpar._plan import plan_for
+    from fastpar.kernels.ops_numba import flatten as nf
+
+    chosen = []
+    real = nf._copy_kernel_for
+    monkeypatch.setattr(nf, "_copy_kernel_for", lambda *a: chosen.append(a[-2:]) or real(*a))
+    first_cast = -(-(32 << 20) // 6)
+    assert first_cast == 5_592_406 and first_cast * 4 / 2**20 > 21.33
+    cases = [  # (elements, source dtype, destination dtype, scale, direction, (stream, cast))
+        (4_194_304, torch.float32, torch.float32, None, True, (True, None)),
+        (4_194_303, torch.float32, torch.float32, None, True, (False, None)),
+        (first_cast, torch.float32, torch.bfloat16, 0.5, True, (False, ("f32", "bf16"))),
+        (first_cast - 1, torch.float32, torch.bfloat16, 0.5, True, (False, None)),
+        (first_cast, torch.float16, torch.float32, None, False, (False, ("f16", "f32"))),
+        (first_cast - 1, torch.float16, torch.float32, None, False, (False, None)),
+        (first_cast, torch.float32, torch.float64, None, True, (False, None)),
+    ]
+    for n, src, dst, scale, to_flat, expect in cases:
+        chosen.clear()
+        tensor = torch.empty(n, dtype=src if to_flat else dst)
+        flat = torch.empty(n, dtype=dst if to_flat else src)
+        (g,) = plan_for([tensor], "tensors", cache=False).groups
+        nf.bind_copy(g, flat, scale, to_flat)  # bound, not run
+        if nf.C.HAS_STREAM:
+            assert chosen == [expect], (n, src, dst, chosen)
+        else:  # plain stores everywhere
+            assert chosen == [(False, None)], (n, src, dst, chosen)
+
+
 def test_large_plain_copies_stream_correctly():
     # Over 16 MiB through the public API (the streamed path), odd sizes, misaligned.
     ts = [rand((4_500_001,), torch.float32), rand((3,), torch.float32), rand((129, 7), torch.float32)]
