@@ -2325,6 +2325,50 @@ def test_numba_stream_thresholds(monkeypatch):
             assert chosen == [(False, None)], (n, src, dst, chosen)
 
 
+@pytest.mark.parametrize("to_flat", [True, False], ids=["flatten", "unflatten_into"])
+def test_numba_bound_streamed_cast_falls_back_to_a_serial_streamed_cast(to_flat, monkeypatch):
+    # A bound parallel launch (the DDP hooks' passes) run where parallel regions are not
+    # wanted any more (torch.set_num_threads(1), as in a DataLoader worker) takes the
+    # serial kernel _common.bound_launch asks for: the same streamed cast, one thread,
+    # with every element written once and nothing around the destination.
+    from fastpar._plan import plan_for
+    from fastpar.kernels.ops_numba import flatten as nf
+
+    if torch.get_num_threads() < 2:
+        pytest.skip("torch runs on one thread here: launches are bound serial")
+    chosen = []
+    real = nf._copy_kernel_for
+    monkeypatch.setattr(nf, "_copy_kernel_for", lambda *a: chosen.append((a[4], a[-1])) or real(*a))
+    n = 70_001
+    src = _random_bits(n, torch.float32, torch.Generator().manual_seed(5))
+    backing = _bit_sentinel(n + 20, torch.bfloat16)
+    dst = backing[3 : 3 + n]
+    if to_flat:
+        (g,) = plan_for([src], "bucket", cache=False).groups
+        run = nf.bind_copy(g, dst, 0.5, True, chunk=30_001, parallel_min_bytes=0, stream_min_bytes=0)
+    else:
+        src, dst = dst, src  # bfloat16 flat -> a float32 bucket
+        src.copy_(_random_bits(n, torch.bfloat16, torch.Generator().manual_seed(6)))
+        backing = _bit_sentinel(n + 20, torch.float32)
+        dst = backing[3 : 3 + n]
+        (g,) = plan_for([dst], "bucket", cache=False).groups
+        run = nf.bind_copy(g, src, 0.5, False, chunk=30_001, parallel_min_bytes=0, stream_min_bytes=0)
+    kinds = ("f32", "bf16") if to_flat else ("bf16", "f32")
+    assert chosen == [(True, kinds)], chosen  # bound parallel (torch runs on 2+ threads)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        run()
+    finally:
+        torch.set_num_threads(threads)
+    assert chosen[1:] == [(False, kinds)], f"the serial fallback was not the streamed cast: {chosen[1:]}"
+    expect = (src.to(torch.float32) * 0.5).to(dst.dtype)
+    assert_same_bits(dst, expect, "serial fallback", nan_payloads=True)
+    ints = torch.int16 if dst.dtype.itemsize == 2 else torch.int32
+    untouched = _bit_sentinel(3, dst.dtype).view(ints)
+    assert torch.equal(backing[:3].view(ints), untouched) and torch.equal(backing[3 + n :].view(ints)[:3], untouched)
+
+
 def test_large_plain_copies_stream_correctly():
     # Over 16 MiB through the public API (the streamed path), odd sizes, misaligned.
     ts = [rand((4_500_001,), torch.float32), rand((3,), torch.float32), rand((129, 7), torch.float32)]
