@@ -1746,9 +1746,14 @@ def test_compress_hooks_on_a_bucket_big_enough_to_stream():
     # The DDP compress hooks' passes over a 28 MB float32 bucket take the Numba kernel's
     # streamed cast (vector conversion, non-temporal stores); training with them matches
     # torch's own compress logic, also with gradient_as_bucket_view=True.
+    from fastpar.kernels.ops_numba import _common as numba_common
+
     results = run_ranks(_big_bucket_worker)
     for rank, res in enumerate(results):
-        assert {("f32", "f16"), ("f16", "f32"), ("f32", "bf16"), ("bf16", "f32")} <= res["casts"], res["casts"]
+        if numba_common.HAS_STREAM:
+            assert {("f32", "f16"), ("f16", "f32"), ("f32", "bf16"), ("bf16", "f32")} <= res["casts"], res["casts"]
+        else:  # no streaming stores off x86-64: the typed loop everywhere
+            assert res["casts"] == {None}, res["casts"]
         for mine, ref, how in [("fastpar_fp16", "torch_fp16", "fp16"), ("fastpar_fp16/bucket_view", "torch_fp16", "fp16"),
                                ("fastpar_bf16", "torch_bf16_logic", "bf16_tight")]:
             (g_rtol, g_atol), (p_rtol, p_atol) = TOLERANCES[how]
