@@ -1194,7 +1194,7 @@ def test_scale_rejects_other_dtypes():
     for launcher in (numba_scale.scale, triton_scale.scale):
         with pytest.raises(TypeError, match="group must hold .* tensors to be scaled, got torch.int64"):
             launcher(group, 0.5, False)
-    with pytest.raises(ValueError, match="chunk must be a positive number of elements, got 0"):
+    with pytest.raises(ValueError, match=r"chunk must be a positive int \(elements per block\), got 0"):
         numba_scale.bind(plan_for([torch.ones(3)], "t", cache=False).groups[0], 0.5, False, chunk=0)
 
 

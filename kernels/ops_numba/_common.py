@@ -281,9 +281,11 @@ def cast_stream_for(src_kind: str, dst_kind: str, scaled: bool):
     when ``scaled``, convert them to ``dst_kind`` and write them to ``dst`` (32-byte
     aligned) with non-temporal stores, prefetching the source ``PREFETCH_BYTES`` ahead.
 
-    Bit for bit what ``LOADS``/``STORES`` compute one element at a time: bfloat16 rounds
-    to nearest even with NaN -> 0x7FC0 (``f32_to_bf16_bits``), float16 through LLVM's
-    ``half`` (``vcvtps2ph``). Written as vector IR because Numba's loops do not emit
+    Bit for bit what ``LOADS``/``STORES`` compute one element at a time (a NaN's payload
+    aside where a NaN meets a NaN scale: the product's payload depends on the operand
+    order the compiler picked, in the typed loop too): bfloat16 rounds to nearest even
+    with NaN -> 0x7FC0 (``f32_to_bf16_bits``), float16 through LLVM's ``half``
+    (``vcvtps2ph``). Written as vector IR because Numba's loops do not emit
     streaming stores, and the scalar loop's stores read every destination line first.
     The caller must follow its streaming stores with :func:`store_fence`."""
     lanes = CAST_LANES
@@ -422,8 +424,9 @@ def balanced_chunk(numels: np.ndarray, chunk: int, parallel: bool) -> int:
     thread 4 and the call 10-14% longer, measured with the chunk of 1M elements tuned at
     4M on a 6.5M-element bucket. With 8 blocks a thread or more, one block more is at
     most an eighth of a thread's share; and many tensors are left as mapped."""
-    if not parallel or len(numels) != 1 or chunk < 1:
-        return chunk
+    if not parallel or len(numels) != 1 or isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) \
+            or chunk < 1:
+        return chunk  # (a bad chunk goes on to the chunk map's check, which names it)
     n, threads = int(numels[0]), numba.get_num_threads()
     blocks = -(-n // chunk)
     if blocks % threads == 0 or blocks >= 8 * threads:

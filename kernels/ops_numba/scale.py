@@ -77,8 +77,8 @@ def bind(group, factor: float, divide: bool, *, chunk: int = DEFAULT_CHUNK,
         raise TypeError(
             f"group must hold {', '.join(map(str, DTYPES))} tensors to be scaled, got {group.dtype}"
         )
-    if chunk < 1:
-        raise ValueError(f"chunk must be a positive number of elements, got {chunk}")
+    if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
+        raise ValueError(f"chunk must be a positive int (elements per block), got {chunk!r}")
     kind, storage = C.KINDS[group.dtype]
     parallel = group.numel * 2 * group.dtype.itemsize >= parallel_min_bytes and C.parallel_ok()
     chunk = C.balanced_chunk(group.numels, chunk, parallel)
