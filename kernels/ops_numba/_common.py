@@ -215,6 +215,14 @@ HAS_STREAM = platform.machine().lower() in ("x86_64", "amd64")
 STREAM_MIN_BYTES = 4096
 
 
+def _store_nontemporal(builder, value, addr) -> None:
+    """Store ``value`` (a vector) at the 32-byte-aligned integer address ``addr`` with a
+    non-temporal (streaming) store: LLVM's ``!nontemporal`` metadata, which x86-64
+    lowers to ``movnt*``."""
+    st = builder.store(value, builder.inttoptr(addr, value.type.as_pointer()), align=32)
+    st.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+
+
 @intrinsic
 def _stream_32(typingctx, dst, src):
     """Copy 32 bytes from address ``src`` (any alignment) to address ``dst`` (32-byte
@@ -224,8 +232,7 @@ def _stream_32(typingctx, dst, src):
     def codegen(context, builder, signature, args):
         vec = ir.VectorType(ir.IntType(64), 4)
         v = builder.load(builder.inttoptr(args[1], vec.as_pointer()), align=1)
-        st = builder.store(v, builder.inttoptr(args[0], vec.as_pointer()), align=32)
-        st.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+        _store_nontemporal(builder, v, args[0])
         return context.get_dummy_value()
 
     return sig, codegen
@@ -333,8 +340,7 @@ def cast_stream_for(src_kind: str, dst_kind: str, scaled: bool):
                 rounded = builder.add(builder.add(b, splat(vi32, 0x7FFF)), lsb)
                 bits = builder.trunc(builder.lshr(rounded, splat(vi32, 16)), vi16)
                 out = builder.select(builder.fcmp_unordered("uno", x, x), splat(vi16, 0x7FC0), bits)
-            st = builder.store(out, builder.inttoptr(dst_addr, out.type.as_pointer()), align=32)
-            st.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(i32, 1)]))
+            _store_nontemporal(builder, out, dst_addr)
             return context.get_dummy_value()
 
         return sig, codegen

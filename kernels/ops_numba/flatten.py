@@ -44,6 +44,16 @@ def _copy_kernel_for(src_kind: str, dst_kind: str, scaled: bool, to_flat: bool, 
     cast_stream = C.cast_stream_for(*cast, scaled) if streamed_cast else C.cast_stream_for("f32", "f32", scaled)
     lanes = C.CAST_LANES
 
+    @numba.njit(nogil=True, inline="always")
+    def _typed_range(s, d, lo, hi, scale):
+        # Unsigned indices: Numba skips negative-index wrap-around for them, which
+        # lets LLVM vectorise the loop (6x faster than a signed index here).
+        for i in range(np.uint64(lo), np.uint64(hi)):
+            v = load(s, i)
+            if scaled:
+                v = v * scale
+            store(d, i, v)
+
     @numba.njit(parallel=parallel, nogil=True)
     def _copy_kernel(
         addrs,  # int64[N]: address of each tensor's first element
@@ -92,18 +102,8 @@ def _copy_kernel_for(src_kind: str, dst_kind: str, scaled: bool, to_flat: bool, 
                     end = head + (m - head) // lanes * lanes
                     for i in range(body, end, lanes):
                         cast_stream(dst_addr + i * dst_size, src_addr + i * src_size, np.float32(scale))
-            # Unsigned indices: Numba skips negative-index wrap-around for them, which
-            # lets LLVM vectorise the loop (6x faster than a signed index here).
-            for i in range(np.uint64(body)):
-                v = load(s, i)
-                if scaled:
-                    v = v * scale
-                store(d, i, v)
-            for i in range(np.uint64(end), np.uint64(m)):
-                v = load(s, i)
-                if scaled:
-                    v = v * scale
-                store(d, i, v)
+            _typed_range(s, d, 0, body, scale)
+            _typed_range(s, d, end, m, scale)
             if streamed_cast:
                 C.store_fence()  # before this worker reports the block done
 
@@ -124,12 +124,13 @@ def bind_copy(group, flat: torch.Tensor, scale, to_flat: bool, *, chunk: int = D
     raw = src_dtype == dst_dtype and scale is None
     src_kind, src_np = C.storage(src_dtype, raw)
     dst_kind, dst_np = C.storage(dst_dtype, raw)
-    parallel = group.numel * (src_dtype.itemsize + dst_dtype.itemsize) >= parallel_min_bytes and C.parallel_ok()
+    moved = group.numel * (src_dtype.itemsize + dst_dtype.itemsize)  # bytes read + written
+    parallel = moved >= parallel_min_bytes and C.parallel_ok()
     # Streamed only from stream_min_bytes moved: smaller results may still be in cache
     # when next read, and for small tensors the inline typed loop beats a memcpy call
     # each. Casts and scales stream among float32, float16 and bfloat16 (the kinds the
     # vector cast handles; others keep the typed loop at every size).
-    big = C.HAS_STREAM and group.numel * (src_dtype.itemsize + dst_dtype.itemsize) >= stream_min_bytes
+    big = C.HAS_STREAM and moved >= stream_min_bytes
     stream = raw and big
     cast = None
     if big and not raw and src_dtype in C.CAST_KINDS and dst_dtype in C.CAST_KINDS:
