@@ -81,11 +81,16 @@ def _nccl_version():
         return None
 
 
+def _non_member(state) -> bool:
+    """``state`` is what ``new_group()`` returns on a rank it leaves out
+    (``GroupMember.NON_GROUP_MEMBER``, an int)."""
+    return type(state) is int and state == dist.GroupMember.NON_GROUP_MEMBER
+
+
 def _refuse_non_member(state, name: str) -> None:
-    """``TypeError`` if ``state`` is what ``new_group()`` returns on a rank it leaves out
-    (``GroupMember.NON_GROUP_MEMBER``, an int): refused as "got int", the message did not
-    say that this rank is outside the group."""
-    if type(state) is int and state == dist.GroupMember.NON_GROUP_MEMBER:
+    """``TypeError`` if ``state`` is :func:`_non_member`: refused as "got int", the
+    message did not say that this rank is outside the group."""
+    if _non_member(state):
         raise TypeError(
             f"{name} is GroupMember.NON_GROUP_MEMBER, what new_group() returns on a rank it leaves "
             f"out: global rank {dist.get_rank()} is not in that group, and a hook reduces over a group "
@@ -845,7 +850,7 @@ def sync_params(module, src: int = 0, process_group=None) -> None:
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     if isinstance(src, bool) or not isinstance(src, int):
         raise TypeError(f"src must be an int (a global rank), got {type(src).__name__} {src!r}")
-    if type(process_group) is int and process_group == dist.GroupMember.NON_GROUP_MEMBER:
+    if _non_member(process_group):
         # What new_group() hands the ranks it leaves out (an int, which _group_of would
         # refuse as "got int"): torch's collectives warn and do nothing there, and so
         # does this, so that every rank may run the same code for a subgroup.

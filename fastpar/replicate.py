@@ -72,17 +72,19 @@ class _BufferPool:
         use at once, so two threads replicating the same module never get the same buffer."""
         with self._lock:
             entries = self._slots.setdefault(key, [])
+
+            def fits(e) -> bool:
+                return e[0].buf.numel() == nbytes and e[0].buf.device == device
+
             # Every view (a replica's parameter, a tensor saved for backward) holds a
             # reference to the storage: at the count it had when new, none is left.
-            entry = next((e for e in entries if e[0].buf.numel() == nbytes and e[0].buf.device == device
-                          and e[0].idle()), None)
+            entry = next((e for e in entries if fits(e) and e[0].idle()), None)
             if entry is not None:
                 entries.remove(entry)
             else:
                 # Kept buffers of another size or device (the network changed), or resized
                 # or shared (never idle again), can serve no later call: let them go.
-                entries[:] = [e for e in entries if e[0].buf.numel() == nbytes and e[0].buf.device == device
-                              and e[0].intact()]
+                entries[:] = [e for e in entries if fits(e) and e[0].intact()]
                 del entries[: max(0, len(entries) - self.per_key + 1)]
                 # (stream None: a new block, the allocator orders its reuse)
                 entry = [_alloc.IdleBuffer(_alloc.empty(nbytes, dtype=torch.uint8, device=device)), None]
