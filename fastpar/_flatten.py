@@ -246,9 +246,12 @@ def _key(op: str, dtype, scale) -> tuple:
 
 
 class _Bound:
-    """One resolved call of a plan: its launches, and what they were resolved for."""
+    """One resolved call of a plan: its launches, and what they were resolved for (the
+    op whose Numba launcher they stand for, that launcher, the tuning state, the flat
+    buffer), and ``keep``: what the launches address besides the plan's tensors and the
+    buffer (``rnn.pack``'s packing group and layout), held as long as they are."""
 
-    __slots__ = ("state", "launcher", "flat_ptr", "flat_snap", "launches")
+    __slots__ = ("state", "op", "launcher", "flat_ptr", "flat_snap", "launches", "keep")
 
     def run(self) -> None:
         for launch in self.launches:
@@ -262,7 +265,7 @@ def _current(plan, key):
     memo = plan.__dict__.get("_bound")
     bound = None if memo is None else memo.get(key)
     if (bound is None or bound.state != _tuning.resolution_state()
-            or _dispatch._kernel("numba", key[0]) is not bound.launcher):
+            or _dispatch._kernel("numba", bound.op) is not bound.launcher):
         return None
     return bound
 
@@ -285,6 +288,39 @@ def _bound_for(plan, key, flat):
     return bound
 
 
+def own_launcher(op: str):
+    """The Numba launcher of ``op`` if it is the module's own, which ``bind_copy`` and
+    ``bind_broadcast`` stand for; else None. Tests (and the autotuner's checks) replace
+    or wrap it, in the module or in _dispatch, and a replacement must run as given."""
+    from .kernels.ops_numba import flatten as numba_flatten
+
+    launcher = _dispatch._kernel("numba", op)
+    if (launcher is not getattr(numba_flatten, op) or getattr(launcher, "__module__", None) != numba_flatten.__name__
+            or getattr(launcher, "__qualname__", None) != op):
+        return None
+    return launcher
+
+
+def resolved(bind) -> tuple:
+    """``(state, launches)``: ``bind()`` (which returns the launches, each bound with the
+    tuned parameters it looks up) and the :func:`fastpar._tuning.resolution_state` they
+    were bound under; bound again if that moved meanwhile (a first read of the tuning
+    tables, typically this very call's, bumps their generation)."""
+    state = None
+    while state != _tuning.resolution_state():
+        state = _tuning.resolution_state()
+        launches = bind()
+    return state, launches
+
+
+def remember(plan, key, bound) -> None:
+    """Keep ``bound`` as the plan's bound call for ``key`` (at most ``_MAX_BOUND``)."""
+    memo = plan.__dict__.setdefault("_bound", {})
+    if key not in memo and len(memo) >= _MAX_BOUND:
+        memo.clear()
+    memo[key] = bound
+
+
 def _bind(plan, key, flat, given: bool, backend: str):
     """The bound call of ``key`` (an op, the flat buffer's dtype, the scale) between a
     checked ``plan`` and a checked ``flat``, made or reused; None where calls are not
@@ -295,43 +331,34 @@ def _bind(plan, key, flat, given: bool, backend: str):
     from .kernels.ops_numba import flatten as numba_flatten
 
     op = key[0]
-    launcher = _dispatch._kernel("numba", op)
-    # Only the module's own launcher, which bind_copy stands for: tests (and the
-    # autotuner's checks) replace or wrap it, in the module or in _dispatch, and a
-    # replacement must run as given.
-    if (launcher is not getattr(numba_flatten, op) or getattr(launcher, "__module__", None) != numba_flatten.__name__
-            or getattr(launcher, "__qualname__", None) != op):
+    launcher = own_launcher(op)
+    if launcher is None:
         return None
     bound = _current(plan, key)
     ptr = flat.data_ptr()
     if bound is None or bound.flat_ptr != ptr:
         bound = _Bound()
-        bound.launcher = launcher
-        bound.flat_ptr = ptr
+        bound.op, bound.launcher, bound.flat_ptr, bound.keep = op, launcher, ptr, None
         to_flat = op == "flatten"
-        state = None
-        while state != _tuning.resolution_state():
-            # Bound again if anything moved meanwhile (a first read of the tuning
-            # tables, typically this very call's, bumps their generation).
-            state = _tuning.resolution_state()
+
+        def bind():
             launches = []
             for g in plan.groups:
                 launch = numba_flatten.bind_copy(g, flat, key[2], to_flat,
                                                  **_group_params(op, backend, g, flat, plan.numel))
                 if launch is not None:
                     launches.append(launch)
-        bound.state = state
-        bound.launches = tuple(launches)
+            return tuple(launches)
+
+        bound.state, bound.launches = resolved(bind)
     elif not given or (bound.flat_snap is not None and same_one(flat, bound.flat_snap)):
         return bound
     else:  # the same memory through another tensor object, or changed: bind this one
         old, bound = bound, _Bound()
-        bound.state, bound.launcher, bound.flat_ptr, bound.launches = old.state, old.launcher, ptr, old.launches
+        bound.state, bound.op, bound.launcher, bound.flat_ptr, bound.launches, bound.keep = (
+            old.state, old.op, old.launcher, ptr, old.launches, old.keep)
     bound.flat_snap = snapshot_one(flat) if given else None
-    memo = plan.__dict__.setdefault("_bound", {})
-    if key not in memo and len(memo) >= _MAX_BOUND:
-        memo.clear()
-    memo[key] = bound
+    remember(plan, key, bound)
     return bound
 
 

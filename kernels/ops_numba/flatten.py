@@ -219,20 +219,19 @@ def _broadcast_kernel_for(parallel: bool):
     return _broadcast_kernel
 
 
-def broadcast(group, outs: list, *, chunk: int = DEFAULT_CHUNK,
-              parallel_min_bytes: int = DEFAULT_PARALLEL_MIN_BYTES,
-              stream_min_bytes: int = DEFAULT_BROADCAST_STREAM_MIN_BYTES) -> None:
-    """Copy every tensor of ``group`` into ``out[offset : offset + numel]`` of every
-    ``out`` in ``outs`` (contiguous, of the group's dtype, none overlapping the group).
-    One launch, whatever the number of tensors and buffers. When the call writes at
-    least ``stream_min_bytes``, it writes with streaming stores (where the CPU has
-    them): the buffers would not stay in cache anyway, and skipping the
-    read-for-ownership of every destination line saves a third of the traffic."""
+def bind_broadcast(group, outs: list, *, chunk: int = DEFAULT_CHUNK,
+                   parallel_min_bytes: int = DEFAULT_PARALLEL_MIN_BYTES,
+                   stream_min_bytes: int = DEFAULT_BROADCAST_STREAM_MIN_BYTES):
+    """The launch :func:`broadcast` would make, with every argument resolved and ``outs``
+    checked: a callable taking no arguments that runs it (and counts it), or None when
+    there is nothing to copy. As :func:`bind_copy`: for callers that pack the same
+    tensors into the same buffers call after call (``rnn.pack`` with ``out=``), it holds
+    addresses, not tensors, and must not outlive them."""
     if not outs:
-        return
+        return None
     block_tensor, block_start = group.blocks(chunk)
     if len(block_tensor) == 0:
-        return
+        return None
     itemsize = group.dtype.itemsize
     # The kernel copies raw bytes at raw addresses: a wrong buffer would be overrun, not
     # merely miscast, so this launcher checks what the others trust their callers for.
@@ -244,10 +243,31 @@ def broadcast(group, outs: list, *, chunk: int = DEFAULT_CHUNK,
                 f"elements, got {o.dtype} on {o.device}, shape {tuple(o.shape)}, strides {o.stride()}"
             )
     parallel = group.numel * itemsize * (1 + len(outs)) >= parallel_min_bytes and C.parallel_ok()
-    with C.launch_lock(parallel):
-        _broadcast_kernel_for(parallel)(
-            group.addrs, group.numels, group.offsets, block_tensor, block_start, chunk,
-            np.array([o.data_ptr() for o in outs], dtype=np.int64), itemsize,
-            group.numel * itemsize * len(outs) >= stream_min_bytes,
-        )
-    _launch.launches.record("numba", "broadcast")
+    args = (
+        group.addrs, group.numels, group.offsets, block_tensor, block_start, chunk,
+        np.array([o.data_ptr() for o in outs], dtype=np.int64), itemsize,
+        group.numel * itemsize * len(outs) >= stream_min_bytes,
+    )
+    launch = C.bound_launch(_broadcast_kernel_for(parallel), parallel, lambda: _broadcast_kernel_for(False))
+    record = _launch.launches.record
+
+    def run() -> None:
+        launch(*args)
+        record("numba", "broadcast")
+
+    return run
+
+
+def broadcast(group, outs: list, *, chunk: int = DEFAULT_CHUNK,
+              parallel_min_bytes: int = DEFAULT_PARALLEL_MIN_BYTES,
+              stream_min_bytes: int = DEFAULT_BROADCAST_STREAM_MIN_BYTES) -> None:
+    """Copy every tensor of ``group`` into ``out[offset : offset + numel]`` of every
+    ``out`` in ``outs`` (contiguous, of the group's dtype, none overlapping the group).
+    One launch, whatever the number of tensors and buffers. When the call writes at
+    least ``stream_min_bytes``, it writes with streaming stores (where the CPU has
+    them): the buffers would not stay in cache anyway, and skipping the
+    read-for-ownership of every destination line saves a third of the traffic."""
+    run = bind_broadcast(group, outs, chunk=chunk, parallel_min_bytes=parallel_min_bytes,
+                         stream_min_bytes=stream_min_bytes)
+    if run is not None:
+        run()
