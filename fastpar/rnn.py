@@ -544,6 +544,10 @@ def _pack(weights, layout: RNNLayout, out, cache: bool, more_outs=()) -> torch.T
     # before anything is allocated or staged: on CUDA this refuses a graph capture.
     op = "broadcast" if plan.dtypes[0] == layout.dtype else "flatten"
     backend, launch = _dispatch.kernel(op, layout.device)
+    # Bound only for an out the caller passed (and no more_outs): binding the buffer
+    # allocated here cost 25-40 us a call and replaced the caller's bound out= pack in
+    # this layout, so a loop that also packed without out= missed it every call.
+    bindable = cache and out is not None and not more_outs
     if out is None:
         out = _alloc.empty(layout.numel, dtype=layout.dtype, device=layout.device)
     outs = [out, *more_outs]
@@ -563,7 +567,7 @@ def _pack(weights, layout: RNNLayout, out, cache: bool, more_outs=()) -> torch.T
     else:  # staged temporaries: a one-off group
         packed = _packing_group(g, layout)
     bound = None
-    if cache and g is plan.groups[0] and out is not None and not more_outs:
+    if bindable and g is plan.groups[0]:
         bound = _bind_pack(plan, layout, packed, op, backend, out)
     if bound is not None:
         bound.run()

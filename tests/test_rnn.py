@@ -575,6 +575,27 @@ def test_repeated_packs_skip_the_checks_until_something_changes(monkeypatch):
             assert_same_bits(o, expected_pack(ws, same), "more_outs")
 
 
+def test_a_pack_without_out_leaves_the_bound_out_pack_alone(monkeypatch):
+    """pack(weights, layout) allocates its buffer: nothing is bound for it. Bound, it
+    took the layout's slot from the caller's out=, whose next pack missed (every call,
+    in a loop that packs both ways) and paid the bind again."""
+    m = make("GRU", 2, True, True, input_size=7, hidden_size=9)
+    ws = list(m._flat_weights)
+    layout = RNNLayout.for_module(m)
+    out = torch.empty(layout.numel)
+    for _ in range(2):
+        rnn.pack(ws, layout, out=out)
+    asked = []
+    real = rnn._check_out
+    monkeypatch.setattr(rnn, "_check_out", lambda *a, **kw: asked.append(a[2]) or real(*a, **kw))
+    for _ in range(3):
+        fresh = rnn.pack(ws, layout)
+        assert_same_bits(fresh, expected_pack(ws, layout), "pack without out=")
+        rnn.pack(ws, layout, out=poison_(out))
+        assert_same_bits(out, expected_pack(ws, layout), "bound pack")
+    assert asked == [], "the out= packs between packs without out= must stay bound"
+
+
 #: change of a bound out -> what the next pack must do: raise (exception, match), or
 #: None: write the new memory.
 _OUT_CHANGES = {
