@@ -192,7 +192,7 @@ class _Placement:
                 del staging
             result.append(layout.views(flat))
         if local:
-            rnn._pack(weights, local_layout, local[0], True, local[1:])
+            rnn._pack(weights, local_layout, local[0], True, local[1:], bind=False)
         return result
 
 

@@ -511,15 +511,17 @@ def pack(weights, layout: RNNLayout, *, out=None) -> torch.Tensor:
     return _pack(weights, layout, out, cache=True)
 
 
-def _pack(weights, layout: RNNLayout, out, cache: bool, more_outs=()) -> torch.Tensor:
+def _pack(weights, layout: RNNLayout, out, cache: bool, more_outs=(), bind: bool = True) -> torch.Tensor:
     """:func:`pack`; with ``more_outs`` (buffers like ``out``, given), the same packing is
     written into each of them too, in the same launch when no cast is needed (the
     ``broadcast`` op: each weight read once, large packs written with streaming
-    stores), which is how replicate fills the buffers of several host replicas."""
+    stores), which is how replicate fills the buffers of several host replicas. Without
+    ``bind``, a given ``out`` is not bound for the next call (replicate's: a new view of
+    its pooled buffer every step, which a bound pack would never see again)."""
     if not isinstance(layout, RNNLayout):
         raise TypeError(f"layout must be an RNNLayout, got {type(layout).__name__}")
     plan = plan_for(weights, "weights", cache=cache)
-    if out is not None and not more_outs:
+    if bind and out is not None and not more_outs:
         bound = _bound_pack(plan, layout, out)
         if bound is not None:  # the weights, layout and out as the last call checked them
             check_not_inference(out, "out")
@@ -547,7 +549,7 @@ def _pack(weights, layout: RNNLayout, out, cache: bool, more_outs=()) -> torch.T
     # Bound only for an out the caller passed (and no more_outs): binding the buffer
     # allocated here cost 25-40 us a call and replaced the caller's bound out= pack in
     # this layout, so a loop that also packed without out= missed it every call.
-    bindable = cache and out is not None and not more_outs
+    bindable = bind and cache and out is not None and not more_outs
     if out is None:
         out = _alloc.empty(layout.numel, dtype=layout.dtype, device=layout.device)
     outs = [out, *more_outs]
