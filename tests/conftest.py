@@ -197,6 +197,43 @@ def bf16_subnormals_zeroed(w: torch.Tensor) -> torch.Tensor:
     return w
 
 
+#: In-place changes of a 1-D buffer a bound call was made for (fastpar._flatten._Bound):
+#: the next call must see each one (tests of flatten(out=) and rnn.pack(out=)).
+BUFFER_CHANGES = ("resize_smaller", "resize_larger", "set_other_storage", "data_other_tensor",
+                  "data_other_dtype", "as_strided_noncontiguous", "storage_offset", "storage_shrunk",
+                  "requires_grad", "negated", "view_as_2d")
+
+
+def change_in_place(buf: torch.Tensor, change: str) -> None:
+    """Change the 1-D ``buf`` in place as :data:`BUFFER_CHANGES` names (the object stays
+    the same; its memory, shape, dtype or flags do not)."""
+    n = buf.numel()
+    if change == "resize_smaller":
+        buf.resize_(n - 1)
+    elif change == "resize_larger":
+        buf.resize_(n + 1)
+    elif change == "set_other_storage":
+        buf.set_(torch.empty(n, dtype=buf.dtype).untyped_storage())
+    elif change == "data_other_tensor":
+        buf.data = torch.empty(n, dtype=buf.dtype)
+    elif change == "data_other_dtype":
+        buf.data = torch.empty(n, dtype=torch.int32 if buf.dtype.is_floating_point else torch.float32)
+    elif change == "as_strided_noncontiguous":
+        buf.as_strided_((n // 2,), (2,))
+    elif change == "storage_offset":
+        buf.set_(torch.empty(n + 1, dtype=buf.dtype).untyped_storage(), 1, (n,))
+    elif change == "storage_shrunk":
+        buf.untyped_storage().resize_(buf.untyped_storage().nbytes() - 4)
+    elif change == "requires_grad":
+        buf.requires_grad_(True)
+    elif change == "negated":
+        buf.data = torch._neg_view(buf.data)
+    elif change == "view_as_2d":
+        buf.as_strided_((1, n), (n, 1))
+    else:
+        raise ValueError(f"unknown change {change!r}")
+
+
 def snapshot(tensors) -> list:
     """Copies of ``tensors`` for :func:`assert_unchanged` (taken before a call that must
     write nothing)."""

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import (ALL_DTYPES, assert_one_break_per_op, assert_same_bits, compiled_run, compiling_flag_on, FLOAT_DTYPES, TOL, assert_close, assert_unchanged, cuda, poison_, rand, snapshot,
-                      body_passed, RecordingMode)
+                      body_passed, RecordingMode, BUFFER_CHANGES, change_in_place)
 
 import fastpar
 
@@ -644,7 +644,6 @@ def test_complex_and_bool_copied_as_bits(backend):
         fastpar.flatten([torch.randn(2, dtype=torch.complex128)])
 
 
-
 def test_conjugate_and_negative_views_are_their_values(backend):
     # t.conj() and torch._neg_view(t) are lazy: their bits are not their values.
     c = torch.randn(4, dtype=torch.complex64).conj()
@@ -1071,7 +1070,6 @@ def test_written_storage_one_element_short_is_refused():
     assert torch.equal(fastpar.flatten([src], out=exact), src)
 
 
-
 def test_destination_reaching_past_its_shrunk_storage_is_refused(backend):
     """unflatten_into writes its destinations as flatten writes out: one whose storage
     was shrunk in place (``untyped_storage().resize_()``) is refused before anything is
@@ -1399,35 +1397,15 @@ _BUFFER_CHANGES = {
     "data_other_tensor": (None, None),
     "data_other_dtype": (TypeError, "dtype"),
     "as_strided_noncontiguous": (ValueError, "contiguous"),
+    "storage_offset": (None, None),  # a new storage, at offset 1: flatten takes any offset
     "storage_shrunk": (ValueError, "storage"),
     "requires_grad": (RuntimeError, "requires grad"),
+    "negated": (ValueError, "lazily negated"),
     "view_as_2d": (ValueError, "1-D"),
 }
 
 
-def _change_buffer(buf: torch.Tensor, change: str) -> None:
-    n = buf.numel()
-    if change == "resize_smaller":
-        buf.resize_(n - 1)
-    elif change == "resize_larger":
-        buf.resize_(n + 1)
-    elif change == "set_other_storage":
-        buf.set_(torch.empty(n, dtype=buf.dtype).untyped_storage())
-    elif change == "data_other_tensor":
-        buf.data = torch.empty(n, dtype=buf.dtype)
-    elif change == "data_other_dtype":
-        buf.data = torch.empty(n, dtype=torch.int32)
-    elif change == "as_strided_noncontiguous":
-        buf.as_strided_((n // 2,), (2,))
-    elif change == "storage_shrunk":
-        buf.untyped_storage().resize_(buf.untyped_storage().nbytes() - 4)
-    elif change == "requires_grad":
-        buf.requires_grad_(True)
-    elif change == "view_as_2d":
-        buf.as_strided_((1, n), (n, 1))
-
-
-@pytest.mark.parametrize("change", _BUFFER_CHANGES)
+@pytest.mark.parametrize("change", BUFFER_CHANGES)
 def test_bound_flatten_sees_its_out_changed_in_place(change):
     """After calls that bound ``out``, the same object changed in place is checked
     again: refused as a new one would be (writing nothing), or written at its new
@@ -1439,7 +1417,7 @@ def test_bound_flatten_sees_its_out_changed_in_place(change):
     assert torch.equal(out, torch.cat([t.reshape(-1) for t in ts]))
     old_memory = out.detach().view(-1)  # the memory it was bound to (an alias)
     poison_(old_memory)
-    _change_buffer(out, change)
+    change_in_place(out, change)
     exc, match = _BUFFER_CHANGES[change]
     if exc is not None:
         before = snapshot([old_memory]) + ([] if change in ("storage_shrunk",) else snapshot([out.detach()]))
@@ -1451,8 +1429,6 @@ def test_bound_flatten_sees_its_out_changed_in_place(change):
     assert fastpar.flatten(ts, out=out) is out
     assert torch.equal(out, torch.cat([t.reshape(-1) for t in ts])), f"{change}: not written at its new memory"
     assert old_memory.isnan().all(), f"{change}: the old memory was written"
-
-
 
 
 def test_a_launcher_replaced_after_binding_runs_instead_of_the_bound_call(monkeypatch):
@@ -1505,7 +1481,7 @@ def test_bound_unflatten_into_sees_its_flat_changed_in_place(change):
     flat = rand((n,), torch.float32)
     for _ in range(3):
         fastpar.unflatten_into(flat, [poison_(t) for t in ts])
-    _change_buffer(flat, change)
+    change_in_place(flat, change)
     if change == "data_other_dtype":  # int32 -> float32 is a conversion unflatten_into makes
         flat.copy_(torch.randint(-1000, 1000, (n,), dtype=torch.int32))
         exc = None

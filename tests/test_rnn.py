@@ -14,7 +14,9 @@ from conftest import (
     assert_one_break_per_op,
     assert_same_bits,
     assert_unchanged,
+    BUFFER_CHANGES,
     bf16_subnormals_zeroed,
+    change_in_place,
     compiled_run,
     compiling_flag_on,
     cuda,
@@ -613,33 +615,7 @@ _OUT_CHANGES = {
 }
 
 
-def _change_out(buf: torch.Tensor, change: str) -> None:
-    n = buf.numel()
-    if change == "resize_smaller":
-        buf.resize_(n - 1)
-    elif change == "resize_larger":
-        buf.resize_(n + 1)
-    elif change == "set_other_storage":
-        buf.set_(torch.empty(n).untyped_storage())
-    elif change == "data_other_tensor":
-        buf.data = torch.empty(n)
-    elif change == "data_other_dtype":
-        buf.data = torch.empty(n, dtype=torch.float64)
-    elif change == "as_strided_noncontiguous":
-        buf.as_strided_((n // 2,), (2,))
-    elif change == "storage_offset":
-        buf.set_(torch.empty(n + 1).untyped_storage(), 1, (n,))
-    elif change == "storage_shrunk":
-        buf.untyped_storage().resize_(buf.untyped_storage().nbytes() - 4)
-    elif change == "requires_grad":
-        buf.requires_grad_(True)
-    elif change == "negated":
-        buf.data = torch._neg_view(buf.data)
-    elif change == "view_as_2d":
-        buf.as_strided_((1, n), (n, 1))
-
-
-@pytest.mark.parametrize("change", _OUT_CHANGES)
+@pytest.mark.parametrize("change", BUFFER_CHANGES)
 def test_bound_pack_sees_its_out_changed_in_place(change):
     """After packs that bound ``out``, the same object changed in place is checked
     again: refused as a new one would be (writing nothing), or written at its new
@@ -653,7 +629,7 @@ def test_bound_pack_sees_its_out_changed_in_place(change):
     assert_same_bits(out, expected_pack(ws, layout), "bound pack")
     old_memory = out.detach().view(-1)  # the memory it was bound to (an alias)
     poison_(old_memory)
-    _change_out(out, change)
+    change_in_place(out, change)
     expected = _OUT_CHANGES[change]
     if expected is not None:
         exc, match = expected
@@ -761,7 +737,6 @@ def test_cuda_pack_one_launch_matches_reference():
         gpu = rnn.pack(ws, layout)
     assert n.total == 1
     assert_same_bits(gpu, expected_pack(ws, layout), "CUDA pack")
-
 
 
 @cuda
@@ -950,7 +925,6 @@ def test_layout_constructor_checks_mode_dtype_and_device():
 from hypothesis import strategies as st  # noqa: E402
 
 from conftest import LAYOUTS, backend_properties, rand  # noqa: E402
-
 
 
 @st.composite
