@@ -181,11 +181,7 @@ def _flatten_planned(plan, dtype, scale, out):
     if out is not None:
         bound = _bound_for(plan, key, out)
         if bound is not None:  # out and the plan as the last call saw them: checked then
-            check_not_inference(out, "out")
-            check_not_recorded(out, "out")
-            bound.run()
-            increment_version(out)
-            return out
+            return bound.write(out)
     for g in plan.groups:
         check_conversion(g.dtype, dtype, scale, "flatten")
     given = out is not None
@@ -256,6 +252,16 @@ class _Bound:
     def run(self) -> None:
         for launch in self.launches:
             launch()
+
+    def write(self, out: torch.Tensor) -> torch.Tensor:
+        """A bound call into the caller's ``out``, found unchanged: check again what no
+        comparison of ``out`` covers (inference mode, and grad mode for an ``out``
+        requiring grad), run, bump ``out``'s version. Returns ``out``."""
+        check_not_inference(out, "out")
+        check_not_recorded(out, "out")
+        self.run()
+        increment_version(out)
+        return out
 
 
 def _current(plan, key):

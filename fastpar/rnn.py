@@ -521,14 +521,14 @@ def _pack(weights, layout: RNNLayout, out, cache: bool, more_outs=(), bind: bool
     if not isinstance(layout, RNNLayout):
         raise TypeError(f"layout must be an RNNLayout, got {type(layout).__name__}")
     plan = plan_for(weights, "weights", cache=cache)
-    if bind and out is not None and not more_outs:
+    # Bound only for an out the caller passed (and no more_outs): binding the buffer
+    # allocated below cost 25-40 us a call and replaced the caller's bound out= pack in
+    # this layout, so a loop that also packed without out= missed it every call.
+    bindable = bind and cache and out is not None and not more_outs
+    if bindable:
         bound = _bound_pack(plan, layout, out)
         if bound is not None:  # the weights, layout and out as the last call checked them
-            check_not_inference(out, "out")
-            check_not_recorded(out, "out")
-            bound.run()
-            increment_version(out)
-            return out
+            return bound.write(out)
     _check_shapes(plan.tensors, layout, lambda i: f"weights[{i}] ({layout.names[i]})")
     if plan.device != layout.device:
         raise ValueError(f"weights must be on {layout.device} (the layout's device), got {plan.device}")
@@ -546,10 +546,6 @@ def _pack(weights, layout: RNNLayout, out, cache: bool, more_outs=(), bind: bool
     # before anything is allocated or staged: on CUDA this refuses a graph capture.
     op = "broadcast" if plan.dtypes[0] == layout.dtype else "flatten"
     backend, launch = _dispatch.kernel(op, layout.device)
-    # Bound only for an out the caller passed (and no more_outs): binding the buffer
-    # allocated here cost 25-40 us a call and replaced the caller's bound out= pack in
-    # this layout, so a loop that also packed without out= missed it every call.
-    bindable = bind and cache and out is not None and not more_outs
     if out is None:
         out = _alloc.empty(layout.numel, dtype=layout.dtype, device=layout.device)
     outs = [out, *more_outs]
