@@ -322,14 +322,15 @@ def replicate(network, devices, detach=False):
     if pool is None:
         pool = _POOLS[network] = _BufferPool()
 
-    param_indices = {p: i for i, p in enumerate(params)}
+    # Keyed on id(): a Tensor's __hash__ is a Python call (id(self)), ~1,000 per call.
+    param_indices = {id(p): i for i, p in enumerate(params)}
     rnn_groups = _rnn_groups(modules, params)
     param_copies = _broadcast(params, _Placement(devs, pool, "params", rnn_groups), detach)
 
     buffers_rg = [b for b in buffers if b.requires_grad and not detach]
     buffers_not_rg = [b for b in buffers if not (b.requires_grad and not detach)]
-    idx_rg = {b: i for i, b in enumerate(buffers_rg)}
-    idx_not_rg = {b: i for i, b in enumerate(buffers_not_rg)}
+    idx_rg = {id(b): i for i, b in enumerate(buffers_rg)}
+    idx_not_rg = {id(b): i for i, b in enumerate(buffers_not_rg)}
     copies_rg = _broadcast(buffers_rg, _Placement(devs, pool, "buffers_rg"), detach)
     # Under detach the buffers requiring grad join the others: a list of another size
     # than a differentiable call's, so it gets a slot of its own (in one slot, a training
@@ -378,13 +379,17 @@ def replicate(network, devices, detach=False):
                 if param is None:
                     replica._parameters[key] = None
                 else:
-                    copy = param_copies[j][param_indices[param]]
+                    copy = param_copies[j][param_indices[id(param)]]
                     if fast:
                         # What Module.__setattr__ makes of it: a Parameter (replica 0's
                         # under detach=True is the source's own, as torch's broadcast
                         # returns device 0's inputs) is registered, anything else is a
-                        # plain attribute.
-                        if isinstance(copy, Parameter):
+                        # plain attribute. A copy fastpar made (every other one) is a new
+                        # plain Tensor, never a Parameter: Parameter's isinstance, a
+                        # Python-level __instancecheck__, is asked only of the others.
+                        if (j > 0 or not detach) and type(copy) is torch.Tensor:
+                            replica.__dict__[key] = copy
+                        elif isinstance(copy, Parameter):
                             replica._parameters[key] = copy
                         else:
                             replica.__dict__[key] = copy
@@ -397,7 +402,7 @@ def replicate(network, devices, detach=False):
                 if buf is None:
                     replica._buffers[key] = None
                     continue
-                copy = copies_rg[j][idx_rg[buf]] if buf.requires_grad and not detach else copies_not_rg[j][idx_not_rg[buf]]
+                copy = copies_rg[j][idx_rg[id(buf)]] if buf.requires_grad and not detach else copies_not_rg[j][idx_not_rg[id(buf)]]
                 if fast:  # register_buffer with the original's persistence: unchanged
                     replica._buffers[key] = copy
                 else:

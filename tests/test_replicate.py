@@ -1059,24 +1059,32 @@ def test_replicate_matches_torch_property(be, data):
                                        msg=f"gradient {i}")
 
 
+@pytest.mark.parametrize("detach", [False, True])
 @pytest.mark.parametrize("custom_setattr", [False, True], ids=["plain", "custom-setattr"])
-def test_detached_replica_0_registers_the_source_parameters_as_torch_does(custom_setattr):
+def test_replicas_register_parameters_as_torch_does(custom_setattr, detach):
     """Under detach=True, replica 0 holds the source's own Parameters (torch's broadcast
     returns device 0's inputs) and Module.__setattr__ registers them: so does fastpar,
-    on its direct path (plain classes) and through setattr (a class customising it)."""
+    on its direct path (plain classes) and through setattr (a class customising it).
+    Every other copy (all of them without detach) is a new plain tensor, held as a plain
+    attribute, never registered (the direct path skips Parameter's isinstance for them)."""
     class Custom(nn.Linear):
         def __setattr__(self, k, v):
             super().__setattr__(k, v)
 
     net = Custom(2, 2) if custom_setattr else nn.Linear(2, 2)
-    th = torch_replicate(net, 2, detach=True)
-    fp = replicate(net, ["cpu", "cpu"], detach=True)
+    th = torch_replicate(net, 3, detach=detach)
+    fp = replicate(net, ["cpu"] * 3, detach=detach)
     for j, (f, t) in enumerate(zip(fp, th)):
         names = [n for n, _ in t.named_parameters()]
-        assert names == (["weight", "bias"] if j == 0 else []), f"torch's replica {j}: {names}"
+        assert names == (["weight", "bias"] if j == 0 and detach else []), f"torch's replica {j}: {names}"
         assert [n for n, _ in f.named_parameters()] == names, f"replica {j}"
-    assert fp[0].weight is net.weight and fp[0].bias is net.bias
-    assert type(fp[1].weight) is torch.Tensor and not fp[1].weight.requires_grad
+        for k in ("weight", "bias"):
+            assert (k in vars(f)) == (k in vars(t)), f"replica {j}: {k} held as torch's replica holds it"
+            if j > 0 or not detach:
+                assert type(getattr(f, k)) is torch.Tensor and getattr(f, k) is not getattr(net, k)
+                assert getattr(f, k).requires_grad == (not detach), f"replica {j}.{k}"
+    if detach:
+        assert fp[0].weight is net.weight and fp[0].bias is net.bias
 
 
 def test_broadcast_coalesced_marks_copies_of_inputs_without_grad_non_differentiable():
