@@ -36,6 +36,29 @@ def test_reduce_add_coalesced(benchmark, grads, k, provider):
 
 
 @pytest.mark.parametrize("k", [2, 4, 8])
+def test_reduce_add_coalesced_interleaved(benchmark, grads, k):
+    """The first group with fastpar and torch's algorithm alternated round by round
+    (``conftest.interleaved``): on a 2-core VM whose two cores sometimes give the memory
+    bandwidth of one for seconds at a time, sequential groups of one provider then the
+    other can land in different modes (a 177 MB copy_ took 4.4 ms or 7.6 ms, switching
+    while a loop ran)."""
+    name, g = grads
+    benchmark.group = f"reduce_add_coalesced K={k}: {name}, interleaved"
+    lists = [[t.clone() for t in g] for _ in range(k)]
+    steps = {"fastpar": lambda: comm.reduce_add_coalesced(lists, "cpu"),
+             "torch": lambda: torch_reduce_add_coalesced(lists)}
+    # (Results are dropped every round, as a loop drops them: kept, fastpar's 177 MB
+    # buffers could not be reused, and each round paid a new one's page faults.)
+    interleaved(benchmark, steps, rounds=6 if name == "transformer" else 20,
+                nbytes=dict.fromkeys(steps, (k + 1) * nbytes(g)))
+    for provider, fn in steps.items():  # the timed calls sum every replica
+        res = fn()
+        for i in (0, len(g) // 2, len(g) - 1):
+            exp = sum(lst[i].double() for lst in lists)
+            assert torch.allclose(res[i].double(), exp, rtol=1e-5, atol=1e-5), f"{provider}: position {i}"
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
 @pytest.mark.parametrize("provider", ["fastpar", "copy_"])
 def test_reduce_add_coalesced_out(benchmark, grads, k, provider):
     """With ``out=`` buffers reused across calls: effective bandwidth (K+1) x bytes / time
