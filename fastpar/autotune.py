@@ -14,7 +14,9 @@ Timing:
   candidate's figure is the median (spread: the interquartile range). Inputs rotate over
   several sets, and when all sets together would fit in the last-level cache a scratch
   buffer twice its size is written (untimed) before each call, so caches do not flatter
-  small sizes.
+  small sizes; such a call is then the second with its candidate's parameters (the first,
+  untimed, before the flush), since the ops re-resolve their bound launches when the
+  forced parameters change, which no steady-state call pays (:func:`time_cpu`).
 * CUDA: ``triton.testing.do_bench`` (CUDA events, L2 flushed between calls), median.
 * The Triton interpreter (CPU tensors) and the ``torch`` backend are never tuned.
 
@@ -219,9 +221,24 @@ def _stats(times: list[float]) -> dict:
 
 def time_cpu(variants, *, budget_s: float, flush: Callable | None = None,
              min_rounds: int = MIN_ROUNDS, max_rounds: int = MAX_ROUNDS, warmup: int = WARMUP_ROUNDS,
-             progress=None) -> list[dict]:
+             progress=None, settle: bool = False) -> list[dict]:
     """Time ``variants`` (each ``(prepare, fns)``: ``prepare()`` untimed, then one of
-    ``fns`` timed, rotating) in interleaved rounds; return per-variant statistics."""
+    ``fns`` timed, rotating) in interleaved rounds; return per-variant statistics.
+
+    With ``flush`` (inputs small enough to stay cached), the chosen ``fns`` entry is first
+    called once untimed after ``prepare()``, then ``flush()`` runs and the same entry is
+    timed. The ops keep their launches bound with the tuned parameters resolved
+    (:mod:`fastpar._flatten`'s bound calls, the DDP hooks' passes) and resolve them again
+    when the forced parameters change, which a steady-state call never sees: timed
+    straight after the switch, a 2.6 MB flatten took 66 us with the default and 85 us
+    serial, against 36 and 58 us in a loop, and on those inflated, flushed figures a
+    serial winner that ran 20-30% slower than the default was picked. Without ``flush``
+    (inputs that together overflow the cache: calls of hundreds of microseconds or more,
+    which the same few tens of microseconds only dilute), the timed call is the first
+    after the switch, so that it does not find its own inputs cached by an untimed one;
+    ``settle=True`` makes the untimed call anyway (``python -m fastpar bench``, whose
+    providers each reuse one set of inputs: every one, torch's included, is then timed
+    on the second of two calls in a row)."""
     perf = time.perf_counter
     for _ in range(warmup):
         for prepare, fns in variants:
@@ -238,6 +255,8 @@ def time_cpu(variants, *, budget_s: float, flush: Callable | None = None,
             prepare, fns = variants[i]
             prepare()
             f = fns[r % len(fns)]
+            if settle or flush is not None:
+                f()  # untimed: resolves the op's bound launch for these parameters
             if flush is not None:
                 flush()
             t0 = perf()

@@ -756,6 +756,25 @@ def test_time_cpu_rotates_which_variant_runs_first():
     assert order == [0, 1, 2, 1, 2, 0, 2, 0, 1]
 
 
+def test_time_cpu_times_the_call_after_an_untimed_one_when_it_flushes():
+    """With a flush, each timed call follows an untimed call of the same entry with the
+    same parameters (which resolves an op's bound launch), then the flush; without one,
+    the timed call is the first after prepare()."""
+    for flush in (None, True):
+        log = []
+        variants = [(lambda i=i: log.append(("prepare", i)), [lambda i=i: log.append(("call", i))]) for i in range(2)]
+        autotune.time_cpu(variants, budget_s=0.0, min_rounds=2, max_rounds=2, warmup=0,
+                          flush=None if flush is None else (lambda: log.append(("flush",))))
+        if flush is None:
+            assert log == [("prepare", 0), ("call", 0), ("prepare", 1), ("call", 1),
+                           ("prepare", 1), ("call", 1), ("prepare", 0), ("call", 0)]
+        else:
+            assert log == [("prepare", 0), ("call", 0), ("flush",), ("call", 0),
+                           ("prepare", 1), ("call", 1), ("flush",), ("call", 1),
+                           ("prepare", 1), ("call", 1), ("flush",), ("call", 1),
+                           ("prepare", 0), ("call", 0), ("flush",), ("call", 0)]
+
+
 def test_pick_needs_clearly_more_than_half_the_rounds():
     # A 2x faster median but faster in only 16 of 30 rounds (needs 16 >= 15 + sqrt(30)).
     d = {"chunk": 65536}
