@@ -7,7 +7,8 @@ For each case of :data:`CASES` and each workload of :data:`fastpar._workloads.WO
 bidirectional=True)``, and 10,000 tensors of 64 floats; ``--quick`` uses the small
 variants), the providers are measured in the same run, in interleaved rounds (round
 ``r`` calls each provider once, in a rotated order, so a neighbour's load on a shared
-machine hits all of them alike):
+machine hits all of them alike; on the CPU each timed call is the second of two calls
+of its provider in a row, the steady state of a loop):
 
 * ``fastpar``: the op as users call it, with the tuned launch parameters when
   ``results/autotune/<device>.json`` has them;
@@ -267,8 +268,13 @@ def _measure(device, providers: dict, sizes: str) -> dict:
             stats = time_cuda(variants, quick=sizes != "full")
         else:
             budget, lo, hi = BUDGET[sizes]
+            # settle: each timed call follows an untimed one of the same provider. The
+            # tuned and untuned fastpar providers force different parameters, and each
+            # switch made fastpar's bound launches resolve again inside the timed call
+            # (a 2.6 MB flatten into out= timed 58 us against 34 us in a loop, 0.73x
+            # torch's cat instead of 1.2x).
             stats = time_cpu(variants, budget_s=budget, min_rounds=lo, max_rounds=hi,
-                             warmup=1 if sizes == "tiny" else 2)
+                             warmup=1 if sizes == "tiny" else 2, settle=True)
     finally:
         _tuning._forced = None
     return dict(zip(names, stats))
@@ -520,7 +526,8 @@ def run(sizes: str = "full", *, root=None, note: str | None = None, only=None, p
             "note": note,
             "tuning": tuning,
             "timer": "triton.testing.do_bench median" if device.type == "cuda"
-            else "time.perf_counter median of interleaved rounds after warm-up (no cache flush, as in benchmarks/)",
+            else "time.perf_counter median of interleaved rounds after warm-up, each timed call the second of "
+            "two in a row (no cache flush, as in benchmarks/)",
             "rows": rows,
             "png": f"{info['slug']}-{stamp}.png",
         }

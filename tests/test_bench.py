@@ -137,6 +137,20 @@ def row(monkeypatch):
     return rows[0]
 
 
+def test_measure_times_each_provider_on_its_second_call_in_a_row():
+    """The tuned and untuned providers force different launch parameters, and fastpar's
+    bound launches resolve again after each switch: each timed call follows an untimed
+    call of the same provider (for every provider alike), so no timed call pays that."""
+    calls = []
+    providers = {name: (lambda: None, lambda name=name: calls.append(name)) for name in ("fastpar", "torch")}
+    stats = bench._measure(torch.device("cpu"), providers, "tiny")
+    assert set(stats) == {"fastpar", "torch"} and all(s["reps"] >= 3 for s in stats.values())
+    warm = 1 * len(providers)  # the warm-up round of the "tiny" setting
+    runs = calls[warm:]
+    assert len(runs) % 2 == 0 and all(a == b for a, b in zip(runs[::2], runs[1::2])), runs
+    assert len(runs) // 2 == sum(s["reps"] for s in stats.values()), (runs, stats)
+
+
 def test_row_ratio_gain_and_ceiling_are_the_right_way_up(row):
     n = row["numel"]  # tiny: 100 tensors of 64 floats
     assert n == 6400
