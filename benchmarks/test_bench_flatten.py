@@ -130,3 +130,22 @@ def test_unflatten_into(benchmark, workload, provider, views_ready):
     measure(benchmark, fn, 2 * nbytes(ts))
     if provider != "copy_":  # the timed calls wrote dst
         _check(torch.cat([d.reshape(-1) for d in dst]), flat, provider)
+
+
+def test_unflatten_into_interleaved(benchmark, workload):
+    """The ``views-prebuilt`` group above with fastpar, torch's ``_foreach_copy_`` and
+    ``copy_`` alternated round by round (``conftest.interleaved``): sequential groups
+    landed in different bandwidth modes of the VM (a Transformer's took 0.79x in one run
+    and 2.16x in the next)."""
+    name, ts, n = workload
+    benchmark.group = f"unflatten_into (torch views prebuilt): {name}, interleaved"
+    flat = torch.randn(n)
+    dst, dst_torch = [torch.zeros_like(t) for t in ts], [torch.zeros_like(t) for t in ts]
+    views = list(torch._utils._unflatten_dense_tensors(flat, dst_torch))
+    out_copy = torch.zeros(n)
+    steps = {"fastpar": lambda: fastpar.unflatten_into(flat, dst),
+             "torch": lambda: torch._foreach_copy_(dst_torch, views),
+             "copy_": lambda: out_copy.copy_(flat)}
+    interleaved(benchmark, steps, rounds=10 if name != "tiny" else 40, nbytes=dict.fromkeys(steps, 2 * nbytes(ts)))
+    for got, who in ((dst, "fastpar"), (dst_torch, "torch")):  # the timed calls wrote them
+        _check(torch.cat([d.reshape(-1) for d in got]), flat, who)
