@@ -441,7 +441,10 @@ def _tune_one(job: dict, device: torch.device, *, quick: bool, min_gain: float, 
         "numel": numel, "tensors": work.n_tensors, "bytes": work.nbytes, "input_sets": len(work.fns),
         "cache_flushed": flush is not None,
         "timer": "triton.testing.do_bench median" if device.type == "cuda"
-        else "time.perf_counter median of interleaved rounds after warm-up",
+        else "time.perf_counter median of interleaved rounds after warm-up"
+        # (how time_cpu timed it: files tuned before the untimed call read as unflushed ones)
+        + (", each timed call the second of two with its candidate's parameters (the first "
+           "untimed, before the flush)" if flush is not None else ""),
         "timestamp": _now(), "default": default, "candidates": results,
         "winner": winner,
     }

@@ -173,6 +173,23 @@ def test_real_flatten_runner_quick(results):
     assert _params_in_fresh_process(results, "flatten", "bfloat16") == e["winner"]["params"]
 
 
+@pytest.mark.parametrize("flushed", [True, False], ids=["flushed", "unflushed"])
+def test_cpu_entry_timer_says_how_the_timed_call_was_made(results, monkeypatch, flushed):
+    """A flushed candidate's timed call is the second of two with its parameters (the
+    first untimed, before the flush); an unflushed one is the first after prepare(). The
+    entry's timer says which, as the bench JSON's timer does: files tuned before the
+    untimed call was added read "after warm-up" alone and cannot be told apart otherwise."""
+    if not flushed:  # a last-level cache too small for the inputs: no flush
+        monkeypatch.setattr(autotune, "llc_bytes", lambda: 1)
+    doc = _tune_one_candidate(results, "unflatten_into")
+    _tuning.validate_results(doc, slug=SLUG, current_versions=_tuning.versions("cpu"))
+    assert doc["entries"]
+    for e in doc["entries"].values():
+        assert e["cache_flushed"] is flushed
+        assert e["timer"].startswith("time.perf_counter median of interleaved rounds after warm-up")
+        assert ("each timed call the second of two with its candidate's parameters" in e["timer"]) is flushed, e["timer"]
+
+
 def test_real_reduce_add_runner_quick(results):
     """The packaged reduce_add runner: its candidates write what the defaults write, and
     the winner is what a fresh process's ``_tuning.params`` returns for reduce_add."""
