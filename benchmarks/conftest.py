@@ -21,8 +21,10 @@ BASELINE = "torch"
 CEILING = "copy_"
 
 
-#: Warm-up, the same for every provider: at least two calls, and as many more as fit in
-#: this many seconds, so that the rounds measure the steady state of a loop. Two calls were not enough on the VM these figures come from:
+#: Warm-up, the same for every provider: two calls, then as many more as fit in this many
+#: seconds (counted from the end of the second call, see :func:`_warm_up`), so that the
+#: rounds measure the steady state of a loop. Two calls were not enough on the VM these
+#: figures come from:
 #: * after a switch of workload, a 0.2 ms call of the tiny tensors took 0.6-0.9 ms for
 #:   its first 3-6 calls (caches and TLB refilled) before settling;
 #: * the guest returns free memory to the host (virtio-balloon free page reporting)

@@ -12,6 +12,22 @@ from fastpar import comm
 from fastpar._baselines import reduce_add_coalesced as torch_reduce_add_coalesced
 from fastpar._workloads import WORKLOADS, nbytes
 
+def _replicas(g, k: int) -> list:
+    """``k`` copies of the gradients ``g``, replica ``j`` offset by ``j``: a sum of
+    identical replicas could not tell every replica's values from ``k`` times the first
+    one's."""
+    return [[t.clone().add_(j) for t in g] for j in range(k)]
+
+
+def _check_sums(got, lists, who: str) -> None:
+    """Every position of ``got`` is the float64 sum of ``lists``' tensors there."""
+    assert len(got) == len(lists[0]), f"{who}: {len(got)} results for {len(lists[0])} positions"
+    for i, r in enumerate(got):
+        exp = sum(lst[i].double() for lst in lists)
+        assert r.shape == exp.shape and torch.allclose(r.double(), exp, rtol=1e-5, atol=1e-5), \
+            f"{who}: position {i} is not the sum of the {len(lists)} replicas"
+
+
 @pytest.fixture(scope="module", params=["transformer", "tiny"])
 def grads(request):
     torch.manual_seed(0)
@@ -23,16 +39,11 @@ def grads(request):
 def test_reduce_add_coalesced(benchmark, grads, k, provider):
     name, g = grads
     benchmark.group = f"reduce_add_coalesced K={k}: {name}"
-    lists = [[t.clone() for t in g] for _ in range(k)]
+    lists = _replicas(g, k)
     fn = (lambda: comm.reduce_add_coalesced(lists, "cpu")) if provider == "fastpar" else (
         lambda: torch_reduce_add_coalesced(lists))
     measure(benchmark, fn, (k + 1) * nbytes(g), rounds=6 if name == "transformer" else 20)
-    got = fn()  # the timed call (either provider) sums every replica, in the inputs' order
-    assert len(got) == len(g)
-    for i, r in enumerate(got):
-        exp = sum(lst[i].double() for lst in lists)
-        assert r.shape == g[i].shape and torch.allclose(r.double(), exp, rtol=1e-5, atol=1e-5), \
-            f"{provider}: position {i} is not the sum of the {k} replicas"
+    _check_sums(fn(), lists, provider)  # the timed call (either provider), in the inputs' order
 
 
 @pytest.mark.parametrize("k", [2, 4, 8])
@@ -44,7 +55,7 @@ def test_reduce_add_coalesced_interleaved(benchmark, grads, k):
     while a loop ran)."""
     name, g = grads
     benchmark.group = f"reduce_add_coalesced K={k}: {name}, interleaved"
-    lists = [[t.clone() for t in g] for _ in range(k)]
+    lists = _replicas(g, k)
     steps = {"fastpar": lambda: comm.reduce_add_coalesced(lists, "cpu"),
              "torch": lambda: torch_reduce_add_coalesced(lists)}
     # (Results are dropped every round, as a loop drops them: kept, fastpar's 177 MB
@@ -52,10 +63,7 @@ def test_reduce_add_coalesced_interleaved(benchmark, grads, k):
     interleaved(benchmark, steps, rounds=6 if name == "transformer" else 20,
                 nbytes=dict.fromkeys(steps, (k + 1) * nbytes(g)))
     for provider, fn in steps.items():  # the timed calls sum every replica
-        res = fn()
-        for i in (0, len(g) // 2, len(g) - 1):
-            exp = sum(lst[i].double() for lst in lists)
-            assert torch.allclose(res[i].double(), exp, rtol=1e-5, atol=1e-5), f"{provider}: position {i}"
+        _check_sums(fn(), lists, provider)
 
 
 @pytest.mark.parametrize("k", [2, 4, 8])
@@ -66,9 +74,10 @@ def test_reduce_add_coalesced_out(benchmark, grads, k, provider):
     name, g = grads
     benchmark.group = f"reduce_add_coalesced out= K={k}: {name} (GB/s vs copy_)"
     if provider == "fastpar":
-        lists = [[t.clone() for t in g] for _ in range(k)]
+        lists = _replicas(g, k)
         out = [torch.zeros_like(t) for t in g]
         measure(benchmark, lambda: comm.reduce_add_coalesced(lists, "cpu", out=out), (k + 1) * nbytes(g))
+        _check_sums(out, lists, "fastpar")  # the timed calls wrote out
     else:
         n = sum(t.numel() for t in g)
         src, dst = torch.randn(n), torch.zeros(n)
@@ -82,12 +91,11 @@ def test_reduce_add_coalesced_out_interleaved(benchmark, grads, k):
     under the same load (sequential rounds gave 71-128% on one VM within an hour)."""
     name, g = grads
     benchmark.group = f"reduce_add_coalesced out= K={k}: {name}, interleaved with copy_"
-    lists = [[t.clone() for t in g] for _ in range(k)]
+    lists = _replicas(g, k)
     out = [torch.zeros_like(t) for t in g]
     n = sum(t.numel() for t in g)
     src, dst = torch.randn(n), torch.zeros(n)
     steps = {"fastpar": lambda: comm.reduce_add_coalesced(lists, "cpu", out=out), "copy_": lambda: dst.copy_(src)}
     interleaved(benchmark, steps, rounds=10 if name == "transformer" else 30,
                 nbytes={"fastpar": (k + 1) * nbytes(g), "copy_": 2 * nbytes(g)})
-    for i in (0, len(g) - 1):  # the timed call computes the sum
-        assert torch.allclose(out[i].double(), sum(lst[i].double() for lst in lists), rtol=1e-5, atol=1e-5)
+    _check_sums(out, lists, "fastpar")  # the timed calls wrote out
