@@ -925,7 +925,8 @@ def gather(tensors, dim=0, destination=None, *, out=None):
         out (Tensor, optional, keyword-only): tensor to gather into.
 
     .. note:: 0-dim tensors gathered along dim 0 are unsqueezed into a vector, with a
-        warning, as ``torch.nn.DataParallel`` does.
+        warning, as ``torch.nn.DataParallel`` does; along another dim they raise
+        ``ValueError``.
 
     .. note:: As torch's, the result has ``tensors[0]``'s dtype (or ``out``'s) and other
         dtypes are converted by ``Tensor.copy_``.
@@ -937,9 +938,21 @@ def gather(tensors, dim=0, destination=None, *, out=None):
         return _gather_eagerly(tensors, dim, destination, out=out)
     ts = list(_checked_any_device(_sequence(tensors), "tensors"))
     if all(t.dim() == 0 for t in ts):
+        # Only along dim 0 (or -1, the same dimension of the vector made), as torch's
+        # Gather: along another dim this warned that it "was asked to gather along
+        # dimension 0" and then refused the dim.
+        d = _as_int(dim)
+        if d is None:
+            _dim(dim, 1)  # raises, naming dim
+        if d not in (0, -1):
+            raise ValueError(
+                f"tensors are all 0-dim, with no dimension {d} to gather along (0-dim tensors are "
+                "gathered into a vector only along dim 0)"
+            )
         warnings.warn(
             "Was asked to gather along dimension 0, but all input tensors were scalars; "
-            "will instead unsqueeze and return a vector."
+            "will instead unsqueeze and return a vector.",
+            stacklevel=_dispatch.user_stacklevel(2),  # (the caller's line, as for -1 below)
         )
         ts = [t.view(1) for t in ts]
     ndim = ts[0].dim()

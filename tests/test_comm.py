@@ -1263,6 +1263,27 @@ def test_scatter_gather_dim_out_of_range_or_not_an_int_is_refused(op, dim):
             comm.gather([x, x], dim=dim, destination="cpu")
 
 
+def test_gather_scalars_warning_points_at_the_caller():
+    # As the -1 destination's FutureWarning: the line that called comm.gather, not
+    # fastpar's own.
+    with pytest.warns(UserWarning, match="all input tensors were scalars") as rec:
+        g = comm.gather([torch.tensor(1.0), torch.tensor(2.0)], 0, "cpu")
+    assert torch.equal(g, torch.tensor([1.0, 2.0]))
+    [w] = [w for w in rec if "scalars" in str(w.message)]
+    assert w.filename == __file__
+
+
+@pytest.mark.parametrize("dim", [1, -2, 3])
+def test_gather_scalars_along_another_dim_raise_without_the_dim0_warning(dim):
+    # 0-dim tensors become a vector only along dim 0 (torch's Gather checks dim == 0);
+    # along another dim there is nothing to gather along. The call warned that it "was
+    # asked to gather along dimension 0", then raised "dim must be an int in [-1, 1)".
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "all input tensors were scalars" warning
+        with pytest.raises(ValueError, match=rf"0-dim.*no dimension {dim}"):
+            comm.gather([torch.tensor(1.0), torch.tensor(2.0)], dim, "cpu")
+
+
 def test_gather_scalars_only_when_all_are_scalars():
     with pytest.raises(ValueError, match=r"tensors\[1\] .* incompatible"):
         with warnings.catch_warnings():
