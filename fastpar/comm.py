@@ -426,7 +426,9 @@ def reduce_add(inputs, destination=None):
     Returns:
         A tensor on ``destination`` holding the element-wise sum (16-bit floats are
         accumulated in float32 and rounded once; sparse COO inputs give a sparse sum, or a
-        dense one when a dense input is among them).
+        dense one when a dense input is among them). A dense sum records no autograd
+        history, as on torch's NCCL path; a sparse sum is made with ``torch.add``, as
+        torch's is, and records it. A single input is returned as it is, as in torch.
     """
     if torch.compiler.is_dynamo_compiling():  # (see _dispatch.eager_entry)
         return _reduce_add_eagerly(inputs, destination)
@@ -505,7 +507,9 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
         buffer). 16-bit floats are accumulated in float32 and rounded once; complex
         tensors are summed as their real views. Sparse COO tensors (without ``out``)
         follow torch: a position sparse on every device is summed with ``torch.add``
-        into a sparse result, a position sparse on some devices only is densified.
+        into a sparse result (which, as torch's, records autograd history), a position
+        sparse on some devices only is densified. The fused kernel's sums record no
+        autograd history, as on torch's NCCL path.
     """
     if torch.compiler.is_dynamo_compiling():  # (see _dispatch.eager_entry)
         return _reduce_add_coalesced_eagerly(inputs, destination, buffer_size, out=out)

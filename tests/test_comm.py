@@ -266,6 +266,25 @@ def test_reduce_add_coalesced_sparse_follows_torch(backend):
                                                                        check_invariants=True),
                                               *lists[1][1:]]], "cpu")
 
+def test_reduce_sums_autograd_history_as_documented(backend):
+    # README "fastpar.comm": dense sums record no history (torch's NCCL path); sums of
+    # positions sparse on every device are torch.add's, as torch's are on every path,
+    # and record it; one input is returned as it is.
+    def sparse():
+        return torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.randn(2), (4,), check_invariants=True,
+                                       requires_grad=True)
+
+    a, b = torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)
+    sa, sb = sparse(), sparse()
+    assert comm.reduce_add([a, b], "cpu").grad_fn is None
+    dense_sum, sparse_sum, densified = comm.reduce_add_coalesced([[a, sa, sa], [b, sb, b]], "cpu")
+    assert dense_sum.grad_fn is None and densified.grad_fn is None and densified.layout == torch.strided
+    assert sparse_sum.layout == torch.sparse_coo and sparse_sum.grad_fn is not None
+    total = comm.reduce_add([sa, sb], "cpu")
+    assert total.layout == torch.sparse_coo and total.grad_fn is not None
+    assert comm.reduce_add([a], "cpu") is a
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_reduce_add_into_out_large_streamed(dtype):
     # Over 16 MiB of float32/float64 results into existing tensors: the Numba kernel
