@@ -1059,19 +1059,32 @@ def test_replicate_matches_torch_property(be, data):
                                        msg=f"gradient {i}")
 
 
+@pytest.mark.parametrize("flagged", [False, True], ids=["parameter", "flagged-plain-tensor"])
 @pytest.mark.parametrize("detach", [False, True])
 @pytest.mark.parametrize("custom_setattr", [False, True], ids=["plain", "custom-setattr"])
-def test_replicas_register_parameters_as_torch_does(custom_setattr, detach):
+def test_replicas_register_parameters_as_torch_does(custom_setattr, detach, flagged):
     """Under detach=True, replica 0 holds the source's own Parameters (torch's broadcast
     returns device 0's inputs) and Module.__setattr__ registers them: so does fastpar,
     on its direct path (plain classes) and through setattr (a class customising it).
     Every other copy (all of them without detach) is a new plain tensor, held as a plain
-    attribute, never registered (the direct path skips Parameter's isinstance for them)."""
+    attribute, never registered (the direct path skips Parameter's isinstance for them).
+
+    ``flagged``: the weight is a plain ``torch.Tensor`` with ``_is_param`` set (what
+    ``nn.Parameter`` makes of a custom tensor, and ``DTensor.to_local()`` of a
+    ``Parameter(DTensor)``), which passes ``isinstance(t, nn.Parameter)``: under
+    detach=True torch registers replica 0's (the source's own), so the direct path must
+    not take it for a copy it made although its type is exactly ``torch.Tensor``."""
     class Custom(nn.Linear):
         def __setattr__(self, k, v):
             super().__setattr__(k, v)
 
     net = Custom(2, 2) if custom_setattr else nn.Linear(2, 2)
+    if flagged:
+        w = net.weight.detach().clone().requires_grad_()
+        w._is_param = True
+        assert type(w) is torch.Tensor and isinstance(w, nn.Parameter)
+        net.weight = w
+        assert net._parameters["weight"] is w
     th = torch_replicate(net, 3, detach=detach)
     fp = replicate(net, ["cpu"] * 3, detach=detach)
     for j, (f, t) in enumerate(zip(fp, th)):
@@ -1080,41 +1093,11 @@ def test_replicas_register_parameters_as_torch_does(custom_setattr, detach):
         assert [n for n, _ in f.named_parameters()] == names, f"replica {j}"
         for k in ("weight", "bias"):
             assert (k in vars(f)) == (k in vars(t)), f"replica {j}: {k} held as torch's replica holds it"
+            assert torch.equal(getattr(f, k), getattr(net, k)), f"replica {j}.{k}"
             if j > 0 or not detach:
                 assert type(getattr(f, k)) is torch.Tensor and getattr(f, k) is not getattr(net, k)
                 assert getattr(f, k).requires_grad == (not detach), f"replica {j}.{k}"
-    if detach:
-        assert fp[0].weight is net.weight and fp[0].bias is net.bias
-
-
-@pytest.mark.parametrize("detach", [False, True])
-@pytest.mark.parametrize("custom_setattr", [False, True], ids=["plain", "custom-setattr"])
-def test_a_plain_tensor_flagged_as_parameter_is_registered_as_torch_does(custom_setattr, detach):
-    """A plain ``torch.Tensor`` with ``_is_param`` set (what ``nn.Parameter`` makes of a
-    custom tensor, and ``DTensor.to_local()`` of a ``Parameter(DTensor)``) passes
-    ``isinstance(t, nn.Parameter)``: under detach=True replica 0 holds the source's own
-    and torch registers it, so the direct path must not take it for a copy it made
-    (its type is exactly ``torch.Tensor``). The other copies are new tensors without the
-    flag: plain attributes, as torch's are."""
-    class Custom(nn.Linear):
-        def __setattr__(self, k, v):
-            super().__setattr__(k, v)
-
-    net = Custom(2, 2) if custom_setattr else nn.Linear(2, 2)
-    w = net.weight.detach().clone().requires_grad_()
-    w._is_param = True
-    assert type(w) is torch.Tensor and isinstance(w, nn.Parameter)
-    net.weight = w
-    assert net._parameters["weight"] is w
-    th = torch_replicate(net, 3, detach=detach)
-    fp = replicate(net, ["cpu"] * 3, detach=detach)
-    for j, (f, t) in enumerate(zip(fp, th)):
-        names = [n for n, _ in t.named_parameters()]
-        assert names == (["weight", "bias"] if j == 0 and detach else []), f"torch's replica {j}: {names}"
-        assert [n for n, _ in f.named_parameters()] == names, f"replica {j}"
-        assert ("weight" in vars(f)) == ("weight" in vars(t)), f"replica {j}: weight held as torch's is"
-        assert torch.equal(f.weight, w)
-    assert (fp[0].weight is w) == detach
+    assert (fp[0].weight is net.weight) == detach and (fp[0].bias is net.bias) == detach
 
 
 def test_broadcast_coalesced_marks_copies_of_inputs_without_grad_non_differentiable():
