@@ -986,7 +986,7 @@ def test_parallel_plan_check_that_cannot_run_falls_back_to_the_serial_one(monkey
 
     if not _common.parallel_ok():
         pytest.skip("no parallel region can start here (one torch thread, or a forked child)")
-    monkeypatch.setattr(_fastcheck, "_parallel_check_usable", True)
+    monkeypatch.setitem(_fastcheck._pool_usable, "check", True)
     kernels = _fastcheck._checker().meta_kernels
     calls = []
 
@@ -1004,7 +1004,7 @@ def test_parallel_plan_check_that_cannot_run_falls_back_to_the_serial_one(monkey
         got = fastpar.flatten(ts)
     assert torch.equal(got, torch.cat([t.reshape(-1) for t in ts])), "the transposed tensor was copied as before"
     assert calls == ["parallel", "serial"], calls
-    assert _fastcheck._parallel_check_usable is False
+    assert _fastcheck._pool_usable["check"] is False
     import warnings
 
     with warnings.catch_warnings(record=True) as caught:
@@ -1165,7 +1165,32 @@ def test_compiled_metadata_check_is_calibrated_and_used():
     assert torch.equal(fastpar.flatten(six), six[0].reshape(-1))
 
 
-def test_compiled_version_bump_matches_torch():
+@pytest.fixture(params=["serial", "parallel"])
+def version_bump(request, monkeypatch):
+    """Each compiled version bump in turn: the serial one, and the thread-pool one that
+    lists of ``PARALLEL_CHECK_MIN_TENSORS`` or more take (here forced for short lists).
+    Yields the list of bump kinds that ran; all must be this kind."""
+    from fastpar import _fastcheck
+    from fastpar.kernels.ops_numba import _common
+
+    _fastcheck.increment_versions([torch.zeros(1)], np.array([torch.zeros(1)._cdata], dtype=np.int64))
+    if _fastcheck._bump is None:
+        pytest.fail("version-counter calibration failed on this torch")
+    if request.param == "parallel":
+        if not _common.parallel_ok():
+            pytest.skip("no parallel region can start here (one torch thread, or a forked child)")
+        monkeypatch.setattr(_fastcheck, "PARALLEL_CHECK_MIN_TENSORS", 1)
+    kernels = _fastcheck._bump.kernels
+    ran = []
+    for kind, kernel in list(kernels.items()):
+        monkeypatch.setitem(kernels, kind, lambda *a, _k=kind, _f=kernel: (ran.append(_k), _f(*a))[1])
+    yield ran
+    if not body_passed(request):
+        return
+    assert ran and set(ran) == {request.param}, f"expected only the {request.param} bump, ran {ran}"
+
+
+def test_compiled_version_bump_matches_torch(version_bump):
     from fastpar import _fastcheck
 
     assert _fastcheck._make_bump() is not None, "version-counter calibration failed on this torch"
@@ -1182,6 +1207,75 @@ def test_compiled_version_bump_matches_torch():
     v = a._version
     _fastcheck.increment_versions([a, inf], np.array([a._cdata, inf._cdata], dtype=np.int64))
     assert a._version == v + 1
+
+
+def test_long_lists_bump_versions_on_the_pool_once_each(monkeypatch):
+    """An unflatten_into into 10,000 tensors (``PARALLEL_CHECK_MIN_TENSORS`` or more)
+    bumps each destination's version once on the thread pool; a long list with an
+    inference tensor bumps nothing compiled and goes through torch, which skips it.
+    (Counters shared within a list, which unflatten_into refuses as overlapping
+    destinations, are bumped once per listing: test_compiled_version_bump_matches_torch.)"""
+    from fastpar import _fastcheck
+    from fastpar.kernels.ops_numba import _common
+
+    if not _common.parallel_ok():
+        pytest.skip("no parallel region can start here (one torch thread, or a forked child)")
+    n = max(10_000, _fastcheck.PARALLEL_CHECK_MIN_TENSORS)
+    dst = [torch.zeros(3) for _ in range(n)]
+    flat = torch.randn(3 * n)
+    fastpar.unflatten_into(flat, dst)
+    kernels = _fastcheck._bump.kernels
+    ran = []
+    for kind, kernel in list(kernels.items()):
+        monkeypatch.setitem(kernels, kind, lambda *a, _k=kind, _f=kernel: (ran.append(_k), _f(*a))[1])
+    before = [t._version for t in dst]
+    fastpar.unflatten_into(flat, dst)
+    after = [t._version for t in dst]
+    assert ran == ["parallel"], ran
+    assert after == [b + 1 for b in before], [i for i, (a, b) in enumerate(zip(after, before)) if a != b + 1][:10]
+    with torch.inference_mode():
+        inf = torch.zeros(3)
+    mixed = dst[:-1] + [inf]
+    ran.clear()
+    before = [t._version for t in mixed[:-1]]
+    _fastcheck.increment_versions(mixed, np.array([t._cdata for t in mixed], dtype=np.int64))
+    assert ran == ["parallel"], ran  # it found the inference tensor and bumped nothing itself
+    assert [t._version for t in mixed[:-1]] == [b + 1 for b in before], "torch's bump skipped none"
+
+
+def test_parallel_version_bump_that_cannot_run_falls_back_to_the_serial_one(monkeypatch):
+    """As for the parallel plan re-check: a parallel region that cannot start warns once,
+    then the serial bump does the work, for good."""
+    import warnings
+
+    from fastpar import _fastcheck
+    from fastpar.kernels.ops_numba import _common
+
+    if not _common.parallel_ok():
+        pytest.skip("no parallel region can start here (one torch thread, or a forked child)")
+    _fastcheck.increment_versions([torch.zeros(1)], np.array([torch.zeros(1)._cdata], dtype=np.int64))
+    monkeypatch.setitem(_fastcheck._pool_usable, "bump", True)
+    monkeypatch.setattr(_fastcheck, "PARALLEL_CHECK_MIN_TENSORS", 1)
+    kernels = _fastcheck._bump.kernels
+    calls = []
+
+    def broken(*args):
+        calls.append("parallel")
+        raise ValueError("No threading layer could be loaded.")
+
+    monkeypatch.setitem(kernels, "parallel", broken)
+    serial = kernels["serial"]
+    monkeypatch.setitem(kernels, "serial", lambda *a: (calls.append("serial"), serial(*a))[1])
+    ts = [torch.zeros(2) for _ in range(3)]
+    impls = np.array([t._cdata for t in ts], dtype=np.int64)
+    with pytest.warns(RuntimeWarning, match=r"parallel version-counter bump cannot run here \(ValueError: No threading"):
+        _fastcheck.increment_versions(ts, impls)
+    assert [t._version for t in ts] == [1, 1, 1] and calls == ["parallel", "serial"], calls
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fastcheck.increment_versions(ts, impls)
+    assert not caught, [str(w.message) for w in caught]
+    assert [t._version for t in ts] == [2, 2, 2] and calls == ["parallel", "serial", "serial"], calls
 
 
 def test_unflatten_into_bumps_versions_so_autograd_sees_the_write():
