@@ -1165,6 +1165,18 @@ def test_compiled_metadata_check_is_calibrated_and_used():
     assert torch.equal(fastpar.flatten(six), six[0].reshape(-1))
 
 
+def _make_bump_now():
+    """Makes fastpar's compiled version bump (first use) by bumping one live tensor. The
+    tensor whose ``_cdata`` is passed must be the one listed, and alive during the call:
+    the bump increments through that address, and a freed ``TensorImpl`` there (as
+    ``np.array([torch.zeros(1)._cdata])`` leaves) makes it write to whatever the freed
+    memory holds."""
+    from fastpar import _fastcheck
+
+    t = torch.zeros(1)
+    _fastcheck.increment_versions([t], np.array([t._cdata], dtype=np.int64))
+
+
 @pytest.fixture(params=["serial", "parallel"])
 def version_bump(request, monkeypatch):
     """Each compiled version bump in turn: the serial one, and the thread-pool one that
@@ -1173,7 +1185,7 @@ def version_bump(request, monkeypatch):
     from fastpar import _fastcheck
     from fastpar.kernels.ops_numba import _common
 
-    _fastcheck.increment_versions([torch.zeros(1)], np.array([torch.zeros(1)._cdata], dtype=np.int64))
+    _make_bump_now()
     if _fastcheck._bump is None:
         pytest.fail("version-counter calibration failed on this torch")
     if request.param == "parallel":
@@ -1253,7 +1265,7 @@ def test_parallel_version_bump_that_cannot_run_falls_back_to_the_serial_one(monk
 
     if not _common.parallel_ok():
         pytest.skip("no parallel region can start here (one torch thread, or a forked child)")
-    _fastcheck.increment_versions([torch.zeros(1)], np.array([torch.zeros(1)._cdata], dtype=np.int64))
+    _make_bump_now()
     monkeypatch.setitem(_fastcheck._pool_usable, "bump", True)
     monkeypatch.setattr(_fastcheck, "PARALLEL_CHECK_MIN_TENSORS", 1)
     kernels = _fastcheck._bump.kernels
