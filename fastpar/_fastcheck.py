@@ -267,13 +267,14 @@ def _calibrate_version():
 
 
 @intrinsic
-def _atomic_add_u32(typingctx, addr):
-    """``++*(uint32_t*)addr`` as ``std::atomic<uint32_t>::operator++`` does it."""
-    sig = types.void(types.int64)
+def _atomic_add_u32(typingctx, addr, k):
+    """``*(uint32_t*)addr += k`` (modulo 2**32) as ``std::atomic<uint32_t>::operator+=``
+    does it: ``k`` of ``operator++`` in one locked instruction."""
+    sig = types.void(types.int64, types.int64)
 
     def codegen(context, builder, signature, args):
         ptr = builder.inttoptr(args[0], ir.IntType(32).as_pointer())
-        builder.atomic_rmw("add", ptr, ir.Constant(ir.IntType(32), 1), "seq_cst")
+        builder.atomic_rmw("add", ptr, builder.trunc(args[1], ir.IntType(32)), "seq_cst")
         return context.get_dummy_value()
 
     return sig, codegen
@@ -298,13 +299,32 @@ def _make_bump():
     proto = np.empty(0, np.int64)
 
     @numba.njit(nogil=False, cache=False)
+    def _bump_range(impls, proto, lo, hi):
+        # impls[lo:hi]'s counters, one locked add per run of consecutive tensors sharing
+        # one (views of one buffer, listed in order, share their base's): the same sum
+        # as an increment per tensor, without many threads' increments of one counter
+        # queueing for its cache line (10,000 split views of one buffer: parallel bump
+        # 80 us against the serial 53 us on 2 threads, before runs were added at once).
+        last = 0
+        run = 0
+        for i in range(lo, hi):
+            c = numba.carray(address_as_pointer(impls[i], proto), (v + 1,))[v]
+            if c != last:
+                if run:
+                    _atomic_add_u32(last + byte, run)
+                last = c
+                run = 0
+            run += 1
+        if run:
+            _atomic_add_u32(last + byte, run)
+
+    @numba.njit(nogil=False, cache=False)
     def _bump(impls, proto):
         n = impls.shape[0]
         for i in range(n):  # first, so that a refused call bumps nothing
             if numba.carray(address_as_pointer(impls[i], proto), (v + 1,))[v] == 0:
                 return i
-        for i in range(n):
-            _atomic_add_u32(numba.carray(address_as_pointer(impls[i], proto), (v + 1,))[v] + byte)
+        _bump_range(impls, proto, 0, n)
         return -1
 
     @numba.njit(nogil=False, cache=False, parallel=True)
@@ -312,8 +332,8 @@ def _make_bump():
         # The same, the increments split across the thread pool: each locked increment
         # waits for the ones before it (about 5.5 ns a tensor, in cache or not: 10,000
         # bumps took 54 us, more than the copy of 10,000 tiny tensors; 32 us on two
-        # threads of a Zen 5 VM). Counters shared by two tensors of the list are
-        # incremented atomically all the same. The caller keeps the GIL.
+        # threads of a Zen 5 VM). Counters shared by tensors of the list are added to
+        # atomically all the same, once per run of them in a part. The caller keeps the GIL.
         n = impls.shape[0]
         for i in range(n):  # first, so that a refused call bumps nothing
             if numba.carray(address_as_pointer(impls[i], proto), (v + 1,))[v] == 0:
@@ -321,9 +341,7 @@ def _make_bump():
         step = (n + _CHECK_PARTS - 1) // _CHECK_PARTS
         for p in numba.prange(_CHECK_PARTS):
             lo = min(n, p * step)
-            hi = min(n, lo + step)
-            for i in range(lo, hi):
-                _atomic_add_u32(numba.carray(address_as_pointer(impls[i], proto), (v + 1,))[v] + byte)
+            _bump_range(impls, proto, lo, min(n, lo + step))
         return -1
 
     #: The two compiled bumps, looked up per call (tests wrap them to see which ran).

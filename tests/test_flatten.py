@@ -1221,12 +1221,30 @@ def test_compiled_version_bump_matches_torch(version_bump):
     assert a._version == v + 1
 
 
+def test_compiled_version_bump_adds_runs_of_shared_counters(version_bump):
+    """Views of one buffer share its version counter (and unflatten_into accepts them:
+    they do not overlap). Each bump adds a run of consecutive tensors sharing a counter
+    at once; every listing must still count once, runs crossing the parallel bump's
+    parts and runs broken by other tensors included."""
+    from fastpar import _fastcheck
+
+    a, b = torch.zeros(3000), torch.zeros(500)
+    av, bv = list(a.split(3)), list(b.split(5))  # 1000 views of a, 100 of b
+    own = [torch.zeros(2) for _ in range(300)]
+    ts = av[:400] + own[:100] + bv[:50] + [av[400], av[401]] + own[100:] + av[402:] + bv[50:] + [own[0], a]
+    before = (a._version, b._version, [t._version for t in own])
+    _fastcheck.increment_versions(ts, np.array([t._cdata for t in ts], dtype=np.int64))
+    assert a._version == before[0] + 1001 and b._version == before[1] + 100, (a._version, b._version, before)
+    assert {t._version for t in av} == {a._version} and {t._version for t in bv} == {b._version}
+    assert [t._version for t in own] == [before[2][0] + 2] + [v + 1 for v in before[2][1:]]
+
+
 def test_long_lists_bump_versions_on_the_pool_once_each(monkeypatch):
     """An unflatten_into into 10,000 tensors (``PARALLEL_CHECK_MIN_TENSORS`` or more)
     bumps each destination's version once on the thread pool; a long list with an
     inference tensor bumps nothing compiled and goes through torch, which skips it.
-    (Counters shared within a list, which unflatten_into refuses as overlapping
-    destinations, are bumped once per listing: test_compiled_version_bump_matches_torch.)"""
+    Views of one buffer (not overlapping, so unflatten_into takes them) share its counter:
+    it is bumped once per view (see also test_compiled_version_bump_adds_runs_of_shared_counters)."""
     from fastpar import _fastcheck
     from fastpar.kernels.ops_numba import _common
 
@@ -1245,6 +1263,15 @@ def test_long_lists_bump_versions_on_the_pool_once_each(monkeypatch):
     after = [t._version for t in dst]
     assert ran == ["parallel"], ran
     assert after == [b + 1 for b in before], [i for i, (a, b) in enumerate(zip(after, before)) if a != b + 1][:10]
+    # Views of one buffer, listed in order: one counter, bumped once per view.
+    buf = torch.zeros(3 * n)
+    views = list(buf.split(3))
+    fastpar.unflatten_into(flat, views)
+    ran.clear()
+    v = buf._version
+    fastpar.unflatten_into(flat, views)
+    assert ran == ["parallel"], ran
+    assert buf._version == v + n and views[-1]._version == v + n, (buf._version, v)
     with torch.inference_mode():
         inf = torch.zeros(3)
     mixed = dst[:-1] + [inf]
