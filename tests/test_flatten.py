@@ -977,17 +977,14 @@ def test_long_list_plan_check_does_not_wait_for_a_busy_pool(monkeypatch):
     assert ran == ["serial"], ran
 
 
-def test_parallel_plan_check_that_cannot_run_falls_back_to_the_serial_one(monkeypatch):
-    """A parallel region that cannot start (``NUMBA_THREADING_LAYER`` naming a layer that
-    is not installed raises "No threading layer could be loaded") must not break a call
-    the serial check can answer: one RuntimeWarning, then the serial check for good."""
+def _break_parallel_pass(monkeypatch, kind: str, kernels: dict) -> list:
+    """Make ``kernels``' parallel pass (``kind``: "check" or "bump") fail as a parallel
+    region that cannot start does (``NUMBA_THREADING_LAYER`` naming a layer that is not
+    installed), with the pass marked usable; returns the list each call of either kernel
+    appends its kind to."""
     from fastpar import _fastcheck
-    from fastpar.kernels.ops_numba import _common
 
-    if not _common.parallel_ok():
-        pytest.skip("no parallel region can start here (one torch thread, or a forked child)")
-    monkeypatch.setitem(_fastcheck._pool_usable, "check", True)
-    kernels = _fastcheck._checker().meta_kernels
+    monkeypatch.setitem(_fastcheck._pool_usable, kind, True)
     calls = []
 
     def broken(*args):
@@ -997,6 +994,19 @@ def test_parallel_plan_check_that_cannot_run_falls_back_to_the_serial_one(monkey
     monkeypatch.setitem(kernels, "parallel", broken)
     serial = kernels["serial"]
     monkeypatch.setitem(kernels, "serial", lambda *a: (calls.append("serial"), serial(*a))[1])
+    return calls
+
+
+def test_parallel_plan_check_that_cannot_run_falls_back_to_the_serial_one(monkeypatch):
+    """A parallel region that cannot start (``NUMBA_THREADING_LAYER`` naming a layer that
+    is not installed raises "No threading layer could be loaded") must not break a call
+    the serial check can answer: one RuntimeWarning, then the serial check for good."""
+    from fastpar import _fastcheck
+    from fastpar.kernels.ops_numba import _common
+
+    if not _common.parallel_ok():
+        pytest.skip("no parallel region can start here (one torch thread, or a forked child)")
+    calls = _break_parallel_pass(monkeypatch, "check", _fastcheck._checker().meta_kernels)
     ts = [torch.randn(2, 2) for _ in range(_fastcheck.PARALLEL_CHECK_MIN_TENSORS)]
     fastpar.flatten(ts)
     ts[-1].t_()
@@ -1293,18 +1303,8 @@ def test_parallel_version_bump_that_cannot_run_falls_back_to_the_serial_one(monk
     if not _common.parallel_ok():
         pytest.skip("no parallel region can start here (one torch thread, or a forked child)")
     _make_bump_now()
-    monkeypatch.setitem(_fastcheck._pool_usable, "bump", True)
     monkeypatch.setattr(_fastcheck, "PARALLEL_CHECK_MIN_TENSORS", 1)
-    kernels = _fastcheck._bump.kernels
-    calls = []
-
-    def broken(*args):
-        calls.append("parallel")
-        raise ValueError("No threading layer could be loaded.")
-
-    monkeypatch.setitem(kernels, "parallel", broken)
-    serial = kernels["serial"]
-    monkeypatch.setitem(kernels, "serial", lambda *a: (calls.append("serial"), serial(*a))[1])
+    calls = _break_parallel_pass(monkeypatch, "bump", _fastcheck._bump.kernels)
     ts = [torch.zeros(2) for _ in range(3)]
     impls = np.array([t._cdata for t in ts], dtype=np.int64)
     with pytest.warns(RuntimeWarning, match=r"parallel version-counter bump cannot run here \(ValueError: No threading"):
