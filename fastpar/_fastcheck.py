@@ -319,13 +319,20 @@ def _make_bump():
             _atomic_add_u32(last + byte, run)
 
     @numba.njit(nogil=False, cache=False)
-    def _bump(impls, proto):
-        n = impls.shape[0]
-        for i in range(n):  # first, so that a refused call bumps nothing
+    def _first_without_counter(impls, proto):
+        # Run by both bumps before any increment, so that a refused list bumps nothing:
+        # the first tensor without a version counter (an inference tensor), or -1.
+        for i in range(impls.shape[0]):
             if numba.carray(address_as_pointer(impls[i], proto), (v + 1,))[v] == 0:
                 return i
-        _bump_range(impls, proto, 0, n)
         return -1
+
+    @numba.njit(nogil=False, cache=False)
+    def _bump(impls, proto):
+        refused = _first_without_counter(impls, proto)
+        if refused < 0:
+            _bump_range(impls, proto, 0, impls.shape[0])
+        return refused
 
     @numba.njit(nogil=False, cache=False, parallel=True)
     def _bump_parallel(impls, proto):
@@ -334,10 +341,10 @@ def _make_bump():
         # bumps took 54 us, more than the copy of 10,000 tiny tensors; 32 us on two
         # threads of a Zen 5 VM). Counters shared by tensors of the list are added to
         # atomically all the same, once per run of them in a part. The caller keeps the GIL.
+        refused = _first_without_counter(impls, proto)
+        if refused >= 0:
+            return refused
         n = impls.shape[0]
-        for i in range(n):  # first, so that a refused call bumps nothing
-            if numba.carray(address_as_pointer(impls[i], proto), (v + 1,))[v] == 0:
-                return i
         step = (n + _CHECK_PARTS - 1) // _CHECK_PARTS
         for p in numba.prange(_CHECK_PARTS):
             lo = min(n, p * step)
