@@ -20,6 +20,8 @@ it is the bottleneck. This separates the two, per workload and layout:
 Its first run (``results/gpu/h200-host-probe-before-20261126.json``) answered it: the
 Transformer's reduce kernel takes 204 us (100% of ``copy_``), the call 340 us, its host
 368 us, of which the per-call table took about 190 (cached: bench 211 us, host 181).
+``ReduceGroup.device_table`` now keeps the table for a cached ``out=`` plan; the second
+run (``...-after-20261126.json``, on another machine) is at that code.
 """
 from __future__ import annotations
 

@@ -564,6 +564,9 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
         dst_addr = [g.addrs for g in out_plan.groups]
         dst_tensors = [g.tensors for g in out_plan.groups]
         fresh = [False] * len(out_plan.groups)
+    # A cached out= plan keeps the last pointer table made for it (ReduceGroup.device_table).
+    table_caches = ([None] * len(plans[0].groups) if out is None
+                    else [None if g.transient else g._tables for g in out_plan.groups])
     sources, keep_alive = _source_addresses(plans, dst, path)
     if path == "peer":
         # The kernel reads other devices' memory directly: order it after their streams.
@@ -573,6 +576,7 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
         group = ReduceGroup(
             g.dtype, dst, np.stack([s[gi] for s in sources]), dst_addr[gi], g.numels,
             [kept[gi] for kept in keep_alive], dst_tensors[gi], g._blocks, fresh=fresh[gi],
+            table_cache=table_caches[gi],
         )
         launch(group, **_tuning.params("reduce_add", backend, g.dtype, g.dtype, g.numel))
     if path == "peer":

@@ -332,6 +332,45 @@ def test_reduce_launch_count_one_per_destination(be, n):
     assert launches.total == 1, launches.by_op
 
 
+def _reduce_table_entry(out):
+    """The pointer table kept for ``out`` (a cached plan's only dtype group)."""
+    from fastpar import _plan
+
+    (group,) = _plan.plan_for(out, "out").groups
+    (entry,) = [v for k, v in group._tables.items() if k[0] == "reduce"]
+    return entry
+
+
+def test_reduce_into_out_reuses_its_table_while_the_sources_stay_put():
+    # ReduceGroup.device_table: a loop reducing the same tensors into the same out=
+    # makes its pointer table once; sources elsewhere get a new one; every sum is right.
+    shapes = [((5, 3), torch.float32), ((17,), torch.float32), ((0,), torch.float32)]
+    lists = replicas(3, shapes)
+    out = [torch.empty_like(t) for t in lists[0]]
+
+    def check(srcs, what):
+        for o in out:
+            poison_(o)
+        comm.reduce_add_coalesced(srcs, "cpu", out=out)
+        for i, (o, e) in enumerate(zip(out, ref_sum(srcs))):
+            assert_close(o, e, what=f"{what}: out[{i}]", tol=reduce_tol(torch.float32, 3))
+
+    with fastpar.use_backend("triton"):
+        comm.reduce_add_coalesced(lists, "cpu", out=out)
+        table = _reduce_table_entry(out)[3]
+        for step in range(2):
+            for lst in lists:
+                for t in lst:
+                    t.normal_()  # new values at the same addresses
+            check(lists, f"step {step}")
+            assert _reduce_table_entry(out)[3] is table, "same sources, same out: the table is reused"
+        moved = [[t.clone() for t in lst] for lst in replicas(3, shapes)]
+        check(moved, "other sources")
+        assert _reduce_table_entry(out)[3] is not table
+        lists[1][0].set_(torch.randn(5, 3))  # one source tensor now elsewhere (same object)
+        check(lists, "a source moved by set_")
+
+
 def test_reduce_add_single(backend):
     ts = [rand((4, 5), torch.float32) for _ in range(3)]
     r = comm.reduce_add(ts, "cpu")
@@ -1119,6 +1158,38 @@ def test_cuda_one_gpu_reduce_thousand_tensors_one_launch():
     assert n.total == 1
     for i, (o, e) in enumerate(zip(out, ref_sum([[t.cpu() for t in lst] for lst in lists]))):
         assert_close(o, e, what=f"position {i}", tol=reduce_tol(torch.float16, 4))
+
+
+@needs_cuda
+def test_cuda_reduce_reusing_its_table_on_another_stream_waits_for_its_copy():
+    # The first call copies its table behind a long kernel on the current stream; the
+    # second reuses it on a side stream, which must wait for that copy (not for the
+    # whole stream) before its kernel reads the table.
+    import time
+
+    lists = cuda_lists(3, [((4099,), torch.float32), ((33, 5), torch.float32)])
+    out = [torch.empty_like(t) for t in lists[0]]
+    comm.reduce_add_coalesced(lists, 0, out=[torch.empty_like(t) for t in lists[0]])  # compiled
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e8))  # ~0.1 s on the current stream
+    comm.reduce_add_coalesced(lists, 0, out=out)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        comm.reduce_add_coalesced(lists, 0, out=out)
+        done = torch.cuda.Event()
+        done.record(side)
+    time.sleep(0.02)
+    assert not done.query(), "the side stream ran before the reused table had been copied"
+    torch.cuda.synchronize()
+    for i, (o, e) in enumerate(zip(out, ref_sum([[t.cpu() for t in lst] for lst in lists]))):
+        assert_close(o, e, what=f"out[{i}]", tol=reduce_tol(torch.float32, 3))
+    with torch.cuda.stream(side):  # the copy has run: no more waiting
+        for o in out:
+            poison_(o)
+        comm.reduce_add_coalesced(lists, 0, out=out)
+    torch.cuda.synchronize()
+    for i, (o, e) in enumerate(zip(out, ref_sum([[t.cpu() for t in lst] for lst in lists]))):
+        assert_close(o, e, what=f"again: out[{i}]", tol=reduce_tol(torch.float32, 3))
 
 
 @needs_cuda
