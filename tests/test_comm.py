@@ -371,6 +371,135 @@ def test_reduce_into_out_reuses_its_table_while_the_sources_stay_put():
         check(lists, "a source moved by set_")
 
 
+def _reduce_tables(out):
+    """``{(dtype, block): table}`` kept for ``out``, over every dtype group of its plan."""
+    from fastpar import _plan
+
+    return {(g.dtype, k[1]): v[3] for g in _plan.plan_for(out, "out").groups
+            for k, v in g._tables.items() if k[0] == "reduce"}
+
+
+def _check_reduce_into(srcs, out, what, k=3):
+    for o in out:
+        poison_(o)
+    comm.reduce_add_coalesced(srcs, "cpu", out=out)
+    for i, (o, e) in enumerate(zip(out, ref_sum(srcs))):
+        assert_close(o, e, what=f"{what}: out[{i}]", tol=reduce_tol(o.dtype, k))
+
+
+def test_reduce_group_kept_table_is_the_table_it_would_make():
+    # ReduceGroup.device_table with a table_cache returns, call after call, a table equal
+    # to the one made anew: for another block (its chunk map), other source or
+    # destination addresses, another number of sources.
+    import numpy as np
+
+    from fastpar._plan import ReduceGroup
+
+    cpu = torch.device("cpu")
+    numels = np.array([15, 1030, 0, 17], dtype=np.int64)
+    cache = {}
+
+    def group(src, dst, kept):
+        return ReduceGroup(torch.float32, cpu, np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64),
+                           numels, [], None, {}, table_cache=kept)
+
+    src = [[64 * (i + 1) + 4096 * k for i in range(4)] for k in range(3)]
+    dst = [64 * (i + 1) + 4096 * 9 for i in range(4)]
+    calls = [(src, dst, 2048), (src, dst, 64), (src, dst, 2048), (src[:2], dst, 2048),
+             ([src[0], src[2], src[1]], dst, 64), (src, [a + 64 for a in dst], 64), (src, dst, 64)]
+    for n, (s, d, block) in enumerate(calls):
+        kept = group(s, d, cache).device_table(block, cpu)
+        fresh = group(s, d, None).device_table(block, cpu)
+        assert torch.equal(kept, fresh), f"call {n}: block {block}, {len(s)} sources"
+
+
+def test_reduce_into_out_keeps_a_table_per_launch_block():
+    # The table's chunk map depends on the launch block (a tuned or forced parameter):
+    # a call with another block must not read the table made for the first one.
+    from fastpar import _tuning
+
+    shapes = [((5, 3), torch.float32), ((1030,), torch.float32), ((17,), torch.float32)]
+    lists = replicas(3, shapes)
+    out = [torch.empty_like(t) for t in lists[0]]
+
+    def small():
+        return _tuning.forced({("reduce_add", "triton"): {"block": 64}})
+
+    with fastpar.use_backend("triton"):
+        _check_reduce_into(lists, out, "default block")
+        with small():
+            _check_reduce_into(lists, out, "block 64")
+        tables = _reduce_tables(out)
+        assert {b for _, b in tables} == {2048, 64}, tables.keys()
+        for step in range(2):
+            for lst in lists:
+                for t in lst:
+                    t.normal_()
+            _check_reduce_into(lists, out, f"step {step}, default block")
+            with small():
+                _check_reduce_into(lists, out, f"step {step}, block 64")
+            now = _reduce_tables(out)
+            assert all(now[key] is tables[key] for key in tables), "each block's table is reused"
+
+
+def test_reduce_into_out_keeps_a_table_per_dtype_group():
+    # Each dtype group of out= keeps its own table (its plan group's), reused on its own.
+    shapes = [((5, 3), torch.float32), ((7,), torch.float64), ((9,), torch.bfloat16), ((4,), torch.int64),
+              ((1030,), torch.float32), ((0,), torch.float64)]
+    lists = replicas(3, shapes)
+    out = [torch.empty_like(t) for t in lists[0]]
+    with fastpar.use_backend("triton"):
+        _check_reduce_into(lists, out, "first call")
+        tables = _reduce_tables(out)
+        assert {d for d, _ in tables} == {torch.float32, torch.float64, torch.bfloat16, torch.int64}
+        for lst in lists:
+            for t in lst:
+                t.copy_(rand(t.shape, t.dtype))
+        # New list objects over the same tensors: the addresses, not the lists, decide.
+        _check_reduce_into([list(lst) for lst in lists], out, "second call")
+        now = _reduce_tables(out)
+        assert now.keys() == tables.keys() and all(now[key] is tables[key] for key in tables)
+        # One dtype's source moves: only that group's table is made anew.
+        lists[2][1].set_(rand((7,), torch.float64))
+        _check_reduce_into(lists, out, "a float64 source moved")
+        now = _reduce_tables(out)
+        assert now[(torch.float64, 2048)] is not tables[(torch.float64, 2048)]
+        assert all(now[key] is tables[key] for key in tables if key[0] != torch.float64)
+
+
+def test_reduce_into_out_shares_its_plan_tables_with_flatten():
+    # A cached plan group's _tables holds flatten's (block, device) -> [table, event]
+    # entries and the reduce's ("reduce", block, device) -> [..., table, event] ones:
+    # neither may take the other's for its own.
+    lists = replicas(2, [((5, 3), torch.float32), ((17,), torch.float32)])
+    out = [torch.empty_like(t) for t in lists[0]]
+    with fastpar.use_backend("triton"):
+        for step in range(2):
+            for o in out:
+                o.normal_()
+            flat = fastpar.flatten(out)
+            assert torch.equal(flat, torch.cat([o.reshape(-1) for o in out])), f"step {step}: flatten"
+            _check_reduce_into(lists, out, f"step {step}: reduce", k=2)
+
+
+def test_reduce_into_out_with_staged_sources():
+    # A non-contiguous source is read from a staging copy made per call: the table
+    # holds the copy's address, whatever the source's own, and a copy at another
+    # address makes a new one.
+    base = [torch.randn(5, 6) for _ in range(3)]
+    lists = [[b.t(), torch.randn(17)] for b in base]  # (6, 5) views, non-contiguous
+    out = [torch.empty(6, 5), torch.empty(17)]
+    held = []
+    with fastpar.use_backend("triton"):
+        for step in range(4):
+            for b in base:
+                b.normal_()
+            _check_reduce_into(lists, out, f"step {step}")
+            (table,) = _reduce_tables(out).values()
+            assert table[0].item() != lists[0][0].data_ptr(), "the staging copy's address is in the table"
+            held.append(torch.empty(6 * 5 * 4, dtype=torch.uint8))  # may take the freed copy's place
+
+
 def test_reduce_add_single(backend):
     ts = [rand((4, 5), torch.float32) for _ in range(3)]
     r = comm.reduce_add(ts, "cpu")
