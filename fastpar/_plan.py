@@ -127,7 +127,9 @@ class Group(_Numel):
     _blocks: dict = field(default_factory=dict, repr=False)
     #: ``(block, device) -> [table, event]``: the event (CUDA, cached plans) is that of
     #: the table's copy, None once it has completed. One entry, so that threads missing
-    #: the same key at once never pair one's table with the other's event.
+    #: the same key at once never pair one's table with the other's event. When this
+    #: group is an ``out=`` of ``reduce_add_coalesced``, also ``("reduce", block,
+    #: device) -> [src_addrs, dst_addrs, numels, table, event]`` (``ReduceGroup.device_table``).
     _tables: dict = field(default_factory=dict, repr=False)
     #: Made for one call (an uncached plan, staged temporaries): see ``device_table``.
     transient: bool = False
