@@ -13,15 +13,18 @@ it is the bottleneck. This separates the two, per workload and layout:
 * ``kernel_us``: the reduce kernel's own device time per call (``torch.profiler``, CUPTI);
 * ``runtime``: the CUDA runtime calls made in those 20 calls with their host time
   (a blocking one stands out);
-* ``cached_table``: ``bench_us`` again with each call's pointer table copied once and
-  reused (a probe-only patch of ``ReduceGroup.device_table``): the cost of the per-call table;
+* ``per_call_table``: ``bench_us`` and the host's time again with a table made per call
+  (a probe-only patch of ``ReduceGroup.device_table`` dropping its ``table_cache``), as
+  calls without a cached ``out=`` make it (DataParallel's backward): the table's cost;
 * ``cprofile``: the Python functions with the most own time in 50 calls.
 
 Its first run (``results/gpu/h200-host-probe-before-20261126.json``) answered it: the
 Transformer's reduce kernel takes 204 us (100% of ``copy_``), the call 340 us, its host
 368 us, of which the per-call table took about 190 (cached: bench 211 us, host 181).
 ``ReduceGroup.device_table`` now keeps the table for a cached ``out=`` plan; the second
-run (``...-after-20261126.json``, on another machine) is at that code.
+run (``...-after-20261126.json``, on another machine) is at that code. (Those two runs
+had a ``cached_table`` column, a patch that reused every table; the probe now measures
+the other way round, ``per_call_table``, since the default keeps the table.)
 """
 from __future__ import annotations
 
@@ -109,22 +112,17 @@ def _cprofile(fn) -> str:
     return s.getvalue()
 
 
-class _CachedTables:
-    """Patch ``ReduceGroup.device_table`` to copy each distinct table once (probe only)."""
+class _PerCallTables:
+    """Patch ``ReduceGroup.device_table`` to make every table anew (probe only)."""
 
     def __enter__(self):
-        self.orig = _plan.ReduceGroup.device_table
-        memo = {}
-        orig = self.orig
+        self.orig = orig = _plan.ReduceGroup.device_table
 
-        def cached(plan, block, device):
-            key = (plan.src_addrs.tobytes(), plan.dst_addrs.tobytes(), plan.numels.tobytes(), block, str(device))
-            hit = memo.get(key)
-            if hit is None:
-                hit = memo[key] = orig(plan, block, device)
-            return hit
+        def per_call(group, block, device):
+            group.table_cache = None
+            return orig(group, block, device)
 
-        _plan.ReduceGroup.device_table = cached
+        _plan.ReduceGroup.device_table = per_call
         return self
 
     def __exit__(self, *exc):
@@ -152,18 +150,18 @@ def main(out_dir: str | None, dev: str) -> None:
             bench = _bench_us(reduce, dev)
             host, drain = _host_drain_us(reduce, dev)
             kernel, runtime = _profile(reduce, dev)
-            with _CachedTables():
+            with _PerCallTables():
                 reduce()
-                cached = _bench_us(reduce, dev)
-                c_host, c_drain = _host_drain_us(reduce, dev)
+                per_call = _bench_us(reduce, dev)
+                p_host, p_drain = _host_drain_us(reduce, dev)
             prof = _cprofile(reduce)
             row = dict(workload=wname, layout=layout, n_tensors=len(ts), bytes=nbytes(ts), bench_us=bench,
-                       host_us=host, drain_us=drain, kernel_us=kernel, cached_table_bench_us=cached,
-                       cached_table_host_us=c_host, cached_table_drain_us=c_drain, runtime=runtime)
+                       host_us=host, drain_us=drain, kernel_us=kernel, per_call_table_bench_us=per_call,
+                       per_call_table_host_us=p_host, per_call_table_drain_us=p_drain, runtime=runtime)
             rows.append(row)
             line = (f"{wname:11s} {layout:5s} bench {bench:7.1f} us  host {host:7.1f}  drain {drain:7.1f}  "
-                    f"kernel {kernel if kernel is not None else float('nan'):7.1f}  | cached table: bench {cached:7.1f}  "
-                    f"host {c_host:7.1f}  drain {c_drain:7.1f}")
+                    f"kernel {kernel if kernel is not None else float('nan'):7.1f}  | per-call table: bench {per_call:7.1f}  "
+                    f"host {p_host:7.1f}  drain {p_drain:7.1f}")
             print(line, flush=True)
             texts.append(line + "\n" + "\n".join(
                 f"    {r['name'][:60]:60s} n={r['count']:5d} cpu {r['cpu_us']:8.1f} self {r['self_cpu_us']:8.1f} "
