@@ -108,6 +108,33 @@ class _Numel:
         return hit
 
 
+def _upload(host: torch.Tensor, device: torch.device, keep: bool) -> tuple:
+    """``(table, event)``: the int64 ``host`` table on ``device``. On CUDA it goes through
+    pinned memory, asynchronously on the current stream (see ``Group.device_table``), and
+    ``event`` (recorded only if the table is ``keep``-t for later launches) marks that
+    copy; else None."""
+    if device.type != "cuda":
+        return host.to(device), None
+    table = host.pin_memory().to(device, non_blocking=True)
+    event = None
+    if keep:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+    return table, event
+
+
+def _wait_for_copy(entry: list, slot: int, device: torch.device) -> None:
+    """Before a kept table is read again: make the current stream wait for the copy
+    whose event is ``entry[slot]`` (on the device; the host does not wait), or, once
+    that copy has run, drop the event (no later launch needs to wait)."""
+    event = entry[slot]
+    if event is not None:
+        if event.query():
+            entry[slot] = None
+        else:
+            torch.cuda.current_stream(device).wait_event(event)
+
+
 @dataclass(eq=False)
 class Group(_Numel):
     """The tensors of one dtype within a plan: everything one launch needs."""
@@ -213,23 +240,12 @@ class Group(_Numel):
             host = torch.from_numpy(np.concatenate(
                 [self.addrs.reshape(-1), self.numels, self.offsets, start, tensor.astype(np.int64)]
             ))
-            event = None
-            if device.type == "cuda":
-                table = host.pin_memory().to(device, non_blocking=True)
-                if not self.transient:  # (a transient table serves this call alone)
-                    event = torch.cuda.Event()
-                    event.record(torch.cuda.current_stream(device))
-            else:
-                table = host.to(device)
+            # (A transient table serves this call alone: no event.)
+            table, event = _upload(host, device, keep=not self.transient)
             self._tables[key] = [table, event]
             return table
-        table, event = hit
-        if event is not None:
-            if event.query():  # copied: no later launch needs to wait
-                hit[1] = None
-            else:
-                torch.cuda.current_stream(device).wait_event(event)
-        return table
+        _wait_for_copy(hit, 1, device)
+        return hit[0]
 
     def with_tensors(self, tensors: tuple) -> "Group":
         """A copy over other tensors of the same shapes and dtype (fresh tables), e.g.
@@ -651,25 +667,13 @@ class ReduceGroup(_Numel):
             hit = cache.get(key)
             if (hit is not None and np.array_equal(hit[0], self.src_addrs)
                     and np.array_equal(hit[1], self.dst_addrs) and np.array_equal(hit[2], self.numels)):
-                table, event = hit[3], hit[4]
-                if event is not None:
-                    if event.query():  # copied: no later launch needs to wait
-                        hit[4] = None
-                    else:
-                        torch.cuda.current_stream(device).wait_event(event)
-                return table
+                _wait_for_copy(hit, 4, device)
+                return hit[3]
         tensor, start = self.blocks(block)
         host = torch.from_numpy(np.concatenate(
             [self.src_addrs.reshape(-1), self.dst_addrs, self.numels, start, tensor.astype(np.int64)]
         ))
-        event = None
-        if device.type == "cuda":
-            table = host.pin_memory().to(device, non_blocking=True)
-            if cache is not None:
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(device))
-        else:
-            table = host.to(device)
+        table, event = _upload(host, device, keep=cache is not None)
         if cache is not None:
             # One list per entry, replaced whole: a thread reading the old entry keeps a
             # consistent (addresses, table, event) set.
