@@ -550,7 +550,7 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
         # could hide a complex/real mismatch (a float (..., 2) out for a complex input).
         out_plan = _check_out(out, plans[0], plans, dst)
     if complex_:
-        return _reduce_complex(inputs, destination, buffer_size, out)
+        return _reduce_complex(plans, destination, buffer_size, out, None if out is None else out_plan)
     # -- validated: from here on, launches (on CUDA, kernel() refuses a graph capture).
     backend, launch = _dispatch.kernel("reduce_add", dst)
     if dst.type == "cpu":
@@ -644,13 +644,37 @@ def _as_real(tensors) -> list:
     return [torch.view_as_real(t.resolve_conj()) if t.is_complex() else t for t in tensors]
 
 
-def _reduce_complex(inputs, destination, buffer_size, out):
+def _real_views(plan) -> list:
+    """``_as_real(plan.tensors)``, kept on a cached plan: passing the same real views
+    each call, a loop hits the plan cache with them too, where new views made new plans
+    on every call (K=2 into ``out=``, 184 small complex tensors: 1.3 ms a call against
+    60 us for real ones). Kept only where every item is a view or the tensor itself (a
+    lazily conjugated or negated tensor is resolved into a new copy per call). A plan
+    hit means the same tensor objects with the same data pointers, sizes, strides and
+    dispatch keys, so views made at the first call still describe them."""
+    if plan.meta is None and plan.guard is None:  # an uncached plan (transient tensors)
+        return _as_real(plan.tensors)
+    views = plan.__dict__.get("_real_views")
+    if views is None:
+        if any(t.is_conj() or t.is_neg() for t in plan.tensors):
+            return _as_real(plan.tensors)
+        new = _as_real(plan.tensors)
+        views = plan.__dict__.setdefault("_real_views", new)
+        if views is new:
+            # Each tensor gains one reference (from the list, or from its view's base):
+            # counted, so that the plan cache still drops the plan once the caller's
+            # tensors are gone, instead of keeping them alive until evicted.
+            plan.internal_refs += 1
+    return views
+
+
+def _reduce_complex(plans, destination, buffer_size, out, out_plan):
     """Complex positions are summed as their real views (pairs of floats), as torch's
     comm does with ``view_as_real``; the results are complex views of real pieces.
     ``out`` has been checked against the complex inputs (:func:`_check_out`)."""
-    was_complex = [t.is_complex() for t in inputs[0]]
-    result = reduce_add_coalesced([_as_real(lst) for lst in inputs], destination, buffer_size,
-                                  out=None if out is None else _as_real(out))
+    was_complex = [t.is_complex() for t in plans[0].tensors]
+    result = reduce_add_coalesced([_real_views(p) for p in plans], destination, buffer_size,
+                                  out=None if out is None else _real_views(out_plan))
     if out is not None:
         return tuple(out)
     # A piece that follows an odd number of reals in the shared buffer is copied: a

@@ -302,6 +302,52 @@ def test_reduce_add_into_out_large_streamed(dtype):
         assert b[0].isnan() and b[n + 1].isnan(), "wrote outside out"
 
 
+def test_complex_reduce_in_a_loop_reuses_its_plans_and_lets_them_go(backend):
+    # _real_views: the same complex tensors reduced again (new values) take no new plans
+    # (their real views are kept on the cached plans); lazily conjugated ones are
+    # resolved anew each call; and the kept views do not keep the tensors alive.
+    import gc
+    import weakref
+
+    from fastpar import _plan
+
+    def sums(lists):  # float64 sums, complex ones as their real views
+        out = [sum(lst[i].resolve_conj().to(torch.complex128 if lst[i].is_complex() else torch.float64)
+                   for lst in lists) for i in range(len(lists[0]))]
+        return [torch.view_as_real(e) if e.is_complex() else e for e in out]
+
+    def check(lists, out, what):
+        for o in out:
+            poison_(o)
+        assert comm.reduce_add_coalesced(lists, "cpu", out=out) == tuple(out)
+        for i, (o, e) in enumerate(zip(out, sums(lists))):
+            got = torch.view_as_real(o) if o.is_complex() else o
+            assert_close(got, e, what=f"{what}: out[{i}]", tol=reduce_tol(torch.float32, 2))
+
+    lists = [[torch.randn(7, 3, dtype=torch.complex64), torch.randn(5), torch.randn((), dtype=torch.complex64)]
+             for _ in range(2)]
+    out = [torch.empty_like(t) for t in lists[0]]
+    comm.reduce_add_coalesced(lists, "cpu", out=out)
+    misses = _plan._CACHE.misses
+    for step in range(3):
+        for lst in lists:
+            for t in lst:
+                t.copy_(torch.randn_like(t))  # new values, same tensors
+        check(lists, out, f"step {step}")
+    assert _plan._CACHE.misses == misses, "the same tensors again: no new plans"
+    conj = [[lst[0].conj(), lst[1]] for lst in lists]
+    cout = [torch.empty_like(t) for t in conj[0]]
+    for step in range(2):
+        lists[0][0].copy_(torch.randn_like(lists[0][0]))  # seen through its conjugate view
+        check(conj, cout, f"conjugated, step {step}")
+    gone = weakref.ref(lists[0][0])
+    del lists, out, conj, cout, t, lst
+    for _ in range(4):  # each miss drops the plans nothing else refers to (in turn)
+        comm.reduce_add_coalesced([[torch.randn(2)], [torch.randn(2)]], "cpu", out=[torch.empty(2)])
+    gc.collect()
+    assert gone() is None, "the kept real views keep the caller's tensors alive"
+
+
 def test_reduce_add_coalesced_noncontiguous_inputs(backend):
     base = [rand((6, 4), torch.float32) for _ in range(3)]
     lists = [[b.t(), b[:, 1]] for b in base]
