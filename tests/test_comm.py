@@ -348,6 +348,52 @@ def test_complex_reduce_in_a_loop_reuses_its_plans_and_lets_them_go(backend):
     assert gone() is None, "the kept real views keep the caller's tensors alive"
 
 
+def test_complex_reduce_with_real_ends_in_a_loop_reuses_its_plans(backend):
+    # A list that starts and ends with real tensors: its kept real views are a list of
+    # the same length with the same first and last objects, so the plan cache's key
+    # (length, first id, last id) was the original list's, and each plan evicted the
+    # other on every call (184 tensors, K=2 into out=: 6 plans built a call).
+    import gc
+    import weakref
+
+    from fastpar import _plan
+
+    def mixed(views):
+        ends = torch.randn(40)  # views=True: the real ends are views (gradients as bucket views)
+        first, last = (ends[:5], ends[9:10].view(())) if views else (torch.randn(5), torch.randn(()))
+        return [first, torch.randn(7, 3, dtype=torch.complex64), torch.randn(2, 2),
+                torch.randn(3, dtype=torch.complex64), last]
+
+    for views in (False, True):
+        lists = [mixed(views) for _ in range(2)]
+        out = [torch.empty_like(t) for t in mixed(False)]
+        for given in (out, None):
+            comm.reduce_add_coalesced(lists, "cpu", out=given)
+            misses = _plan._CACHE.misses
+            for step in range(3):
+                for lst in lists:
+                    for t in lst:
+                        t.copy_(torch.randn_like(t))  # new values, same tensors
+                # A plan built for other tensors: the cache drops the plans it finds
+                # orphaned, which must not be these (a view's reference to the tensor
+                # it is made from, counted where there is none, made them look so).
+                fastpar.flatten([torch.randn(3), torch.randn(2)])
+                got = comm.reduce_add_coalesced(lists, "cpu", out=given)
+                for i, g in enumerate(got):
+                    e = lists[0][i].to(torch.complex128 if g.is_complex() else torch.float64) + lists[1][i]
+                    g, e = (torch.view_as_real(g), torch.view_as_real(e)) if g.is_complex() else (g, e)
+                    assert_close(g, e, what=f"views={views}, out={given is not None}, step {step}: [{i}]",
+                                 tol=reduce_tol(torch.float32, 2))
+            assert _plan._CACHE.misses == misses + 3, \
+                f"views={views}, out={given is not None}: the same tensors again: no new plans"
+    gone = [weakref.ref(lists[0][0]), weakref.ref(out[-1])]
+    del lists, out, got, g, e, t, lst, given
+    for _ in range(6):  # each miss drops the plans nothing else refers to (in turn)
+        comm.reduce_add_coalesced([[torch.randn(2)], [torch.randn(2)]], "cpu", out=[torch.empty(2)])
+    gc.collect()
+    assert all(r() is None for r in gone), "the kept real views keep the caller's tensors alive"
+
+
 def test_reduce_add_coalesced_noncontiguous_inputs(backend):
     base = [rand((6, 4), torch.float32) for _ in range(3)]
     lists = [[b.t(), b[:, 1]] for b in base]
