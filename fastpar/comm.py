@@ -1003,6 +1003,7 @@ def gather(tensors, dim=0, destination=None, *, out=None):
     if torch.compiler.is_dynamo_compiling():  # (see _dispatch.eager_entry)
         return _gather_eagerly(tensors, dim, destination, out=out)
     ts = list(_checked_any_device(_sequence(tensors), "tensors"))
+    given = ts  # (the caller's tensors: flatten takes 0-dim ones as they are, below)
     if all(t.dim() == 0 for t in ts):
         # Only along dim 0 (or -1, the same dimension of the vector made), as torch's
         # Gather: along another dim this warned that it "was asked to gather along
@@ -1079,7 +1080,10 @@ def gather(tensors, dim=0, destination=None, *, out=None):
         # out (its bits are not its values; flatten refuses one) takes the copies too,
         # which write such a view as torch's do; so does a quantized out (flatten
         # refuses one), which copy_ writes with out's own quantizer.
-        flatten_plain(ts, out=out.view(-1))
+        # 0-dim inputs as given (numel 1 each, laid end to end as their view(1)s): the
+        # views, new every call, made a new plan every call (4 scalars: 104 us a call
+        # against 44 us for 4 rows).
+        flatten_plain(given, out=out.view(-1))
         return out
     off = 0
     for t in ts:

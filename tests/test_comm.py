@@ -940,6 +940,23 @@ def test_gather_scalars_warns_and_unsqueezes():
     assert torch.equal(g, torch.tensor([1.0, 2.0]))
 
 
+def test_gather_scalars_in_a_loop_reuses_their_plan():
+    # The flatten takes the 0-dim tensors themselves (numel 1 each, end to end), not
+    # per-call view(1)s of them, which made a new plan on every call.
+    from fastpar import _plan
+
+    ts = [torch.tensor(float(i)) for i in range(4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        comm.gather(ts, 0, "cpu")
+        misses = _plan._CACHE.misses
+        for step in range(3):
+            for t in ts:
+                t.add_(1.0)
+            g = comm.gather(ts, 0, "cpu")
+            assert torch.equal(g, torch.stack(ts)), f"step {step}"
+    assert _plan._CACHE.misses == misses, "the same tensors again: no new plans"
+
 
 def test_gather_keeps_a_shared_channels_last_layout():
     # As torch's gather (suggest_memory_format of every input).
