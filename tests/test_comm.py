@@ -127,6 +127,38 @@ def test_reduce_add_keeps_a_shared_layout(backend, layout):
     assert_close(got, ts[0].double() + ts[1].double() + ts[2].double(), dtype=torch.float32)
 
 
+@pytest.mark.parametrize("layout", ["channels_last", "transposed"])
+def test_reduce_add_of_a_shared_layout_in_a_loop_reuses_the_inputs_plans(backend, layout):
+    # The inputs' permuted (contiguous) views are kept on their plans: made anew every
+    # call, each made a new plan every call; only the new result's (out=) is new now.
+    # And the kept views do not keep the caller's tensors alive.
+    import gc
+    import weakref
+
+    from fastpar import _plan
+
+    if layout == "channels_last":
+        ts = [torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last) for _ in range(3)]
+    else:
+        ts = [torch.randn(6, 7).t() for _ in range(3)]
+    comm.reduce_add(ts, "cpu")
+    misses = _plan._CACHE.misses
+    for step in range(3):
+        for t in ts:
+            t.copy_(torch.randn_like(t))  # new values, same tensors
+        got = comm.reduce_add(ts, "cpu")
+        assert got.stride() == (ts[0] + ts[1]).stride()
+        assert_close(got, ts[0].double() + ts[1].double() + ts[2].double(), dtype=torch.float32,
+                     what=f"step {step}")
+    assert _plan._CACHE.misses == misses + 3, "the same inputs again: only the result's plan is new"
+    gone = weakref.ref(ts[0])
+    del ts, t, got
+    for _ in range(8):  # each miss drops the plans nothing else refers to (in turn)
+        comm.reduce_add_coalesced([[torch.randn(2)], [torch.randn(2)]], "cpu", out=[torch.empty(2)])
+    gc.collect()
+    assert gone() is None, "the kept views keep the caller's tensors alive"
+
+
 def test_reduce_add_coalesced_results_are_independent_tensors(backend):
     # Results share buffers, but as separately allocated tensors would behave: an in-place
     # write to one neither changes nor bumps the version of another (they are not
