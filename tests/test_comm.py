@@ -114,13 +114,17 @@ def test_reduce_add_keeps_subnormals(backend, dtype, request):
     assert_same_bits(comm.reduce_add([a, b], "cpu"), a + b, f"{dtype} subnormal reduce_add")
 
 
+def _laid_out_alike(layout: str, k: int = 3) -> list:
+    """K random tensors sharing a non-contiguous dense layout."""
+    if layout == "channels_last":
+        return [torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last) for _ in range(k)]
+    return [torch.randn(6, 7).t() for _ in range(k)]
+
+
 @pytest.mark.parametrize("layout", ["channels_last", "transposed"])
 def test_reduce_add_keeps_a_shared_layout(backend, layout):
     """As torch's ``+``: inputs laid out alike give a result laid out so."""
-    if layout == "channels_last":
-        ts = [torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last) for _ in range(3)]
-    else:
-        ts = [torch.randn(6, 7).t() for _ in range(3)]
+    ts = _laid_out_alike(layout)
     got = comm.reduce_add(ts, "cpu")
     exp = ts[0] + ts[1] + ts[2]
     assert got.stride() == exp.stride(), (got.stride(), exp.stride())
@@ -137,10 +141,7 @@ def test_reduce_add_of_a_shared_layout_in_a_loop_reuses_the_inputs_plans(backend
 
     from fastpar import _plan
 
-    if layout == "channels_last":
-        ts = [torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last) for _ in range(3)]
-    else:
-        ts = [torch.randn(6, 7).t() for _ in range(3)]
+    ts = _laid_out_alike(layout)
     comm.reduce_add(ts, "cpu")
     misses = _plan._CACHE.misses
     for step in range(3):
