@@ -335,6 +335,13 @@ def test_reduce_add_into_out_large_streamed(dtype):
         assert b[0].isnan() and b[n + 1].isnan(), "wrote outside out"
 
 
+def _new_values_(lists) -> None:
+    """Fresh random values in every tensor of ``lists``, in place (the same tensors)."""
+    for lst in lists:
+        for t in lst:
+            t.copy_(torch.randn_like(t))
+
+
 def test_complex_reduce_in_a_loop_reuses_its_plans_and_lets_them_go(backend):
     # _real_views: the same complex tensors reduced again (new values) take no new plans
     # (their real views are kept on the cached plans); lazily conjugated ones are
@@ -363,9 +370,7 @@ def test_complex_reduce_in_a_loop_reuses_its_plans_and_lets_them_go(backend):
     comm.reduce_add_coalesced(lists, "cpu", out=out)
     misses = _plan._CACHE.misses
     for step in range(3):
-        for lst in lists:
-            for t in lst:
-                t.copy_(torch.randn_like(t))  # new values, same tensors
+        _new_values_(lists)
         check(lists, out, f"step {step}")
     assert _plan._CACHE.misses == misses, "the same tensors again: no new plans"
     conj = [[lst[0].conj(), lst[1]] for lst in lists]
@@ -374,7 +379,7 @@ def test_complex_reduce_in_a_loop_reuses_its_plans_and_lets_them_go(backend):
         lists[0][0].copy_(torch.randn_like(lists[0][0]))  # seen through its conjugate view
         check(conj, cout, f"conjugated, step {step}")
     gone = weakref.ref(lists[0][0])
-    del lists, out, conj, cout, t, lst
+    del lists, out, conj, cout
     for _ in range(4):  # each miss drops the plans nothing else refers to (in turn)
         comm.reduce_add_coalesced([[torch.randn(2)], [torch.randn(2)]], "cpu", out=[torch.empty(2)])
     gc.collect()
@@ -404,9 +409,7 @@ def test_complex_reduce_with_real_ends_in_a_loop_reuses_its_plans(backend):
             comm.reduce_add_coalesced(lists, "cpu", out=given)
             misses = _plan._CACHE.misses
             for step in range(3):
-                for lst in lists:
-                    for t in lst:
-                        t.copy_(torch.randn_like(t))  # new values, same tensors
+                _new_values_(lists)
                 # A plan built for other tensors: the cache drops the plans it finds
                 # orphaned, which must not be these (a view's reference to the tensor
                 # it is made from, counted where there is none, made them look so).
@@ -420,7 +423,7 @@ def test_complex_reduce_with_real_ends_in_a_loop_reuses_its_plans(backend):
             assert _plan._CACHE.misses == misses + 3, \
                 f"views={views}, out={given is not None}: the same tensors again: no new plans"
     gone = [weakref.ref(lists[0][0]), weakref.ref(out[-1])]
-    del lists, out, got, g, e, t, lst, given
+    del lists, out, got, g, e, given
     for _ in range(6):  # each miss drops the plans nothing else refers to (in turn)
         comm.reduce_add_coalesced([[torch.randn(2)], [torch.randn(2)]], "cpu", out=[torch.empty(2)])
     gc.collect()
