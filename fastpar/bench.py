@@ -201,6 +201,23 @@ CASES: list[Case] = [
 #: A row is flagged noisy when a provider's interquartile range exceeds this fraction
 #: of its median (a neighbour's load on a shared machine; see the README).
 NOISY_IQR = 0.25
+#: A CUDA provider is flagged host-bound when the host's time per call is at least this
+#: fraction of its median: the GPU then waits on the host between calls, and the median
+#: (and the GB/s) measure the Python side and the launch, not the kernels.
+HOST_BOUND = 0.9
+
+
+def _flagged(stats: dict) -> dict:
+    """The row's flags: ``noisy`` (providers whose quartiles spread by more than
+    ``NOISY_IQR`` of the median) and, where the host was timed (CUDA), ``host_bound``
+    (providers whose host time per call is at least ``HOST_BOUND`` of the median)."""
+    flags = {"noisy": sorted(k for k, v in stats.items()
+                             if v["median_s"] > 0 and (v["q75_s"] - v["q25_s"]) > NOISY_IQR * v["median_s"])}
+    if any("host_s" in v for v in stats.values()):
+        flags["host_s"] = {k: _sig(v["host_s"]) for k, v in stats.items() if "host_s" in v}
+        flags["host_bound"] = sorted(k for k, v in stats.items()
+                                     if "host_s" in v and v["host_s"] >= HOST_BOUND * v["median_s"])
+    return flags
 
 
 def _tiny_workloads():
@@ -265,7 +282,7 @@ def _measure(device, providers: dict, sizes: str) -> dict:
     variants = [(providers[n][0], [providers[n][1]]) for n in names]
     try:
         if device.type == "cuda":
-            stats = time_cuda(variants, quick=sizes != "full")
+            stats = time_cuda(variants, quick=sizes != "full", host=True)
         else:
             budget, lo, hi = BUDGET[sizes]
             # settle: each timed call follows an untimed one of the same provider. The
@@ -337,8 +354,7 @@ def run_device(device, sizes: str, *, cases=None, only=None, progress: bool = Tr
                     "q75_s": {k: _sig(v["q75_s"]) for k, v in st.items()},
                     "rounds": st["fastpar"]["reps"],
                     "baseline": case.baseline,
-                    "noisy": sorted(k for k, v in st.items()
-                                    if v["median_s"] > 0 and (v["q75_s"] - v["q25_s"]) > NOISY_IQR * v["median_s"]),
+                    **_flagged(st),
                 }
                 if tuned is not None:
                     row["untuned_gbps"] = _gbps(s.nbytes, med["fastpar untuned"])
@@ -361,6 +377,8 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         gain = f"{r['tuned_gain']:.2f}x" if r.get("tuned_gain") is not None else "defaults"
         noisy = " (noisy)" if r.get("noisy") else ""
+        if "fastpar" in r.get("host_bound", ()):
+            noisy += " (host-bound)"
         out.append(f"| {r['op']} | {r['workload']} | {r['dtype']} | {size(r['bytes'])} | "
                    f"{r['fastpar_gbps']:.2f} | {r['torch_gbps']:.2f} | {r['ratio']:.2f}x{noisy} | {r['copy_gbps']:.2f} | "
                    f"{100 * r['of_copy']:.0f}% | {gain} |")
@@ -371,6 +389,10 @@ def table(rows: list[dict]) -> str:
     if any(r.get("noisy") for r in rows):
         out.append(f"* (noisy): a provider's quartiles spread by more than {NOISY_IQR:.0%} of its median "
                    "in that row (load from other processes); read its ratio with care")
+    if any("fastpar" in r.get("host_bound", ()) for r in rows):
+        out.append(f"* (host-bound): fastpar's host time per call (Python and launch, in bursts of calls "
+                   f"with no synchronisation) was at least {HOST_BOUND:.0%} of its median: the GPU waited on "
+                   "the host, and the GB/s measure the host, not the kernels")
     return "\n".join(out)
 
 

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
 
 import pytest
@@ -764,6 +765,19 @@ def test_results_dir_outside_a_checkout_is_the_user_cache(monkeypatch, tmp_path)
 def test_stats_report_the_median_not_the_mean():
     s = autotune._stats([1.0, 1.0, 1.0, 1.0, 100.0])  # one descheduled round
     assert s["median_s"] == 1.0 and s["min_s"] == 1.0 and s["reps"] == 5
+
+
+def test_host_per_call_is_the_best_burst_per_call_with_a_sync_around_each():
+    log = []
+    delays = iter([0.004] * 5 + [0.001] * 5 + [0.004] * 5)  # the second burst is the fastest
+
+    def fn():
+        log.append("call")
+        time.sleep(next(delays))
+
+    got = autotune.host_per_call(fn, lambda: log.append("sync"), calls=5, bursts=3)
+    assert 0.0009 <= got < 0.003, got
+    assert log == (["sync"] + ["call"] * 5) * 3 + ["sync"]
 
 
 def test_time_cpu_rotates_which_variant_runs_first():

@@ -105,6 +105,23 @@ def test_table_is_markdown(good_doc):
     assert t[0].startswith("| op |") and t[1].startswith("| ---") and "2.00x" in t[2] and "defaults" in t[2]
 
 
+def test_a_host_bound_row_is_flagged_and_explained(good_doc, monkeypatch):
+    """CUDA rows carry the host's time per call; where fastpar's reaches HOST_BOUND of
+    its median, the GPU waited on the host, and the table says so (an H200 run read a
+    host-bound reduce's 45% of copy_ as the kernel's)."""
+    stats = {"fastpar": dict(_stats(1e-3), host_s=0.95e-3), "torch": dict(_stats(2e-3), host_s=0.1e-3),
+             "copy_": _stats(5e-4)}
+    flags = bench._flagged(stats)
+    assert flags["host_bound"] == ["fastpar"] and flags["host_s"] == {"fastpar": 0.00095, "torch": 0.0001}
+    assert "host_s" not in bench._flagged({"fastpar": _stats(1e-3)}), "CPU rows: no host timing"
+    rows = [dict(good_doc["rows"][0], **flags)]
+    t = bench.table(rows)
+    assert "2.00x (host-bound)" in t and "* (host-bound): fastpar's host time per call" in t
+    stats["fastpar"]["host_s"] = 0.5e-3
+    rows = [dict(good_doc["rows"][0], **bench._flagged(stats))]
+    assert "host-bound" not in bench.table(rows)
+
+
 @pytest.mark.parametrize("arg, match", [("tpu", "unknown \\['tpu'\\]"), (",", "unknown ','"),
                                         ("", "unknown ''"),  # was every device, exit 0
                                         ("cuda", "none of \\['cuda'\\] is present")])
