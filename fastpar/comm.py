@@ -31,7 +31,6 @@ import contextlib
 import functools
 import logging
 import operator
-import sys
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -486,11 +485,12 @@ def _permuted(t: torch.Tensor, perm: list, name: str) -> list:
     new view made a new plan on every call (K=2 transposed 64x64 float32: 3 plans and
     0.22 ms a call; now the new result's plan alone, 0.12 ms; contiguous inputs 0.04 ms).
     A plan hit means the same tensor with the same data pointer, sizes and strides, so
-    the view made at the first call still describes it."""
+    the view made at the first call still describes it (a view of a detached alias:
+    see :func:`_kept`)."""
     plan = plan_for([t], name)
     if plan.meta is None and plan.guard is None:  # an uncached plan (transient tensors)
         return [t.permute(perm)]
-    return _kept(plan, ("_permuted", tuple(perm)), lambda ts: [ts[0].permute(perm)])
+    return _kept(plan, ("_permuted", tuple(perm)), lambda ts: [ts[0].detach().permute(perm)])
 
 
 def _check_reducible(dtype, name: str) -> None:
@@ -676,44 +676,30 @@ def _real_views(plan) -> list:
 
 
 def _real_list(tensors) -> list:
-    """``_as_real(tensors)``, where a real tensor at either end is a view of itself: as
-    the very object at that end of the plan's list, the views' list (as long) had the
-    plan's cache key (length, first and last ids), and the two plans evicted each other
-    on every call (184 mixed tensors with real ends, K=2 into out=: 6 plans built a call,
-    2.2 ms against 80 us)."""
-    views = _as_real(tensors)
-    for i in {0, len(views) - 1}:
-        if views[i] is tensors[i]:
-            views[i] = views[i].view_as(views[i])
-    return views
+    """``_as_real(tensors)`` made of detached aliases of them (:func:`_kept`): a list of
+    new objects, so that its plan's cache key (length, first and last ids) is never the
+    plan's own, as it was with a real tensor at either end taken as it is (the two plans
+    evicted each other on every call: 184 mixed tensors with real ends, K=2 into out=:
+    6 plans built a call, 2.2 ms against 80 us)."""
+    return _as_real([t.detach() for t in tensors])
 
 
 def _kept(plan, key, make) -> list:
-    """``make(plan.tensors)`` (views of them, or the tensors themselves), made once and
-    kept on the cached ``plan`` under ``key``.
+    """``make(plan.tensors)``, made once and kept on the cached ``plan`` under ``key``.
 
-    What they add to the references to the plan's first and last tensors is counted in
-    ``plan.internal_refs`` (the smaller of the two, as one count serves both ends), so
-    that the plan cache still drops the plan once the caller's tensors are gone, instead
-    of keeping them alive until evicted. Measured, not assumed: a view may refer to the
-    tensor it is made from or not (``view_as_real`` does, for autograd's replay of a
-    dtype-changing view; ``permute`` or ``view_as`` of a tensor that is itself a view
-    refers to that view's base only), and a count of one that was not there made the
-    plan look orphaned while its caller held it: dropped at the next miss, it was built
-    again every call, its views with it. (A thread taking or dropping a reference to an
-    end tensor meanwhile skews the count by one: the plan is then dropped early, or
-    kept until the LRU evicts it.)"""
+    ``make`` builds its views from ``t.detach()`` aliases (the same storage and version
+    counter, so writes through them bump the tensors' versions), never from the
+    tensors themselves: a view of a tensor refers to its TensorImpl, and while that
+    impl has an owner besides the tensor's Python object, torch keeps that object alive
+    from the impl (one more reference). That reference came and went with other views
+    of the tensor (the caller's, another plan's), so no count of it fixed at the first
+    call was right later: where it was missed, the plan never looked orphaned to the
+    plan cache and kept the caller's tensors alive; and ``torch.utils.swap_tensors``
+    refused the tensors while the plan was cached. Aliases add no reference to the
+    tensors, so ``plan.internal_refs`` needs nothing added."""
     hit = plan.__dict__.get(key)
     if hit is None:
-        first, last = plan.tensors[0], plan.tensors[-1]
-        # (Read alike before and after: no comprehension or zip, whose frames and
-        # reused tuples hold references of their own.)
-        before = sys.getrefcount(first), sys.getrefcount(last)
-        new = make(plan.tensors)
-        gained = min(sys.getrefcount(first) - before[0], sys.getrefcount(last) - before[1])
-        hit = plan.__dict__.setdefault(key, new)
-        if hit is new:
-            plan.internal_refs += max(gained, 0)
+        hit = plan.__dict__.setdefault(key, make(plan.tensors))
     return hit
 
 

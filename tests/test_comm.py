@@ -430,6 +430,63 @@ def test_complex_reduce_with_real_ends_in_a_loop_reuses_its_plans(backend):
     assert all(r() is None for r in gone), "the kept real views keep the caller's tensors alive"
 
 
+def test_kept_views_let_go_of_tensors_other_views_shared_and_leave_them_swappable(backend):
+    # A view of a tensor makes torch keep that tensor's Python object alive from its
+    # TensorImpl (one more reference, while the impl has another owner): measured at the
+    # first call, that reference was missed where the impl had another owner then (a
+    # view the caller held, or a kept view of another plan), or where one end of the
+    # list is a view (its kept view refers to the view's base) and the other is not (one
+    # count served both ends). The plan then never looked orphaned and stayed cached,
+    # the caller's tensors with it (the LRU never fills while orphans are dropped); and
+    # torch.utils.swap_tensors refused the tensors ("use_count ... got 3").
+    import gc
+    import weakref
+
+    from fastpar import _plan
+
+    def unrelated(n):
+        for _ in range(n):
+            fastpar.flatten([torch.randn(3), torch.randn(2)])
+
+    # A view of an end held by the caller at the first call.
+    lists = [[torch.randn(3, dtype=torch.complex64), torch.randn(4, dtype=torch.complex64)] for _ in range(2)]
+    side = lists[0][0][:1]
+    comm.reduce_add_coalesced(lists, "cpu")
+    ts = [torch.empty_strided((7, 6), (1, 7)).normal_() for _ in range(2)]  # transposed, not views
+    side_t = ts[0][:1]
+    comm.reduce_add(ts, "cpu")
+    gone = [weakref.ref(lists[0][0]), weakref.ref(lists[1][-1]), weakref.ref(ts[0])]
+    del lists, side, ts, side_t
+    unrelated(8)
+    gc.collect()
+    assert all(r() is None for r in gone), [r() is None for r in gone]
+
+    # One end a persistent view (a gradient as a bucket view), the other new every step.
+    bucket = torch.randn(20)
+    firsts = [bucket[:5], bucket[5:10]]
+    alive = []
+    for step in range(4):
+        lists = [[firsts[k], torch.randn(4, dtype=torch.complex64)] for k in range(2)]
+        comm.reduce_add_coalesced(lists, "cpu")
+        alive.append(weakref.ref(lists[0][-1]))
+        del lists
+    unrelated(8)
+    gc.collect()
+    assert [r() is None for r in alive] == [True] * 4
+
+    # Still reused while held, and swappable.
+    lists = [[torch.randn(3, dtype=torch.complex64), torch.randn(4)] for _ in range(2)]
+    comm.reduce_add_coalesced(lists, "cpu")
+    misses = _plan._CACHE.misses
+    for _ in range(3):
+        unrelated(1)
+        comm.reduce_add_coalesced(lists, "cpu")
+    assert _plan._CACHE.misses == misses + 3, "the same tensors again: no new plans"
+    new = torch.randn(3, dtype=torch.complex64)
+    torch.utils.swap_tensors(lists[0][0], new)
+    assert torch.equal(comm.reduce_add_coalesced(lists, "cpu")[0], lists[0][0] + lists[1][0])
+
+
 def test_reduce_add_coalesced_noncontiguous_inputs(backend):
     base = [rand((6, 4), torch.float32) for _ in range(3)]
     lists = [[b.t(), b[:, 1]] for b in base]
