@@ -487,6 +487,39 @@ def test_kept_views_let_go_of_tensors_other_views_shared_and_leave_them_swappabl
     assert torch.equal(comm.reduce_add_coalesced(lists, "cpu")[0], lists[0][0] + lists[1][0])
 
 
+def test_kept_views_follow_tensors_changed_in_place(backend):
+    # The views kept on a plan (_real_views, _permuted) were made at the first call: a
+    # tensor given new storage or a new shape in place must not be summed through them.
+    def sums(lists):
+        return [sum(lst[i].to(torch.complex128) for lst in lists) for i in range(len(lists[0]))]
+
+    changes = {
+        ".data": lambda t: setattr(t, "data", torch.randn_like(t)),
+        "set_": lambda t: t.set_(torch.randn_like(t)),
+        "storage resized": lambda t: (t.untyped_storage().resize_(0),
+                                      t.untyped_storage().resize_(t.numel() * t.element_size()),
+                                      t.copy_(torch.randn_like(t))),
+    }
+    for what, change in changes.items():
+        lists = [[torch.randn(4, 3, dtype=torch.complex64), torch.randn(5, dtype=torch.complex64)] for _ in range(2)]
+        out = [torch.empty_like(t) for t in lists[0]]
+        comm.reduce_add_coalesced(lists, "cpu", out=out)
+        change(lists[0][0])
+        change(out[1])
+        for given in (out, None):
+            got = comm.reduce_add_coalesced(lists, "cpu", out=given)
+            for i, (g, e) in enumerate(zip(got, sums(lists))):
+                assert_close(torch.view_as_real(g), torch.view_as_real(e), what=f"{what}, out={given is not None}: [{i}]",
+                             tol=reduce_tol(torch.float32, 2))
+    ts = _laid_out_alike("transposed")
+    comm.reduce_add(ts, "cpu")
+    for t in ts:
+        t.t_()  # now contiguous: another layout, the same tensors
+    ts[1].data = torch.randn(7, 6).t()  # and another storage and layout
+    got = comm.reduce_add(ts, "cpu")
+    assert_close(got, ts[0].double() + ts[1].double() + ts[2].double(), dtype=torch.float32, what="t_()")
+
+
 def test_reduce_add_coalesced_noncontiguous_inputs(backend):
     base = [rand((6, 4), torch.float32) for _ in range(3)]
     lists = [[b.t(), b[:, 1]] for b in base]
