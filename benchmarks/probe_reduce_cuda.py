@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 
 import torch
 import triton.testing
 
 import fastpar
 from fastpar import _tuning
+from fastpar.autotune import host_per_call
 from fastpar._workloads import WORKLOADS, nbytes
 
 K = 4
@@ -46,19 +46,12 @@ def _ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def _host_us(fn, calls: int = 20) -> float:
-    """Host time per call (the best of three bursts, nothing synchronised inside a burst):
-    where it exceeds the kernel's time, do_bench's rounds wait on the host, and the
-    GB/s above measure the host, not the kernel."""
-    best = float("inf")
-    for _ in range(3):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t) / calls * 1e6)
-    torch.cuda.synchronize()
-    return best
+def _host_us(fn) -> float:
+    """Host time per call in us (``fastpar.autotune.host_per_call``: the best of three
+    bursts of 20 calls, nothing synchronised inside a burst): where it exceeds the
+    kernel's time, do_bench's rounds wait on the host, and the GB/s above measure the
+    host, not the kernel."""
+    return host_per_call(fn, torch.cuda.synchronize) * 1e6
 
 
 def main(path=None) -> None:
