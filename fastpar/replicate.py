@@ -387,9 +387,8 @@ def replicate(network, devices, detach=False):
                         # plain attribute. A copy fastpar made (every other one) is a new
                         # plain Tensor, never a Parameter: Parameter's isinstance, a
                         # Python-level __instancecheck__, is asked only of the others.
-                        if (j > 0 or not detach) and type(copy) is torch.Tensor:
-                            replica.__dict__[key] = copy
-                        elif isinstance(copy, Parameter):
+                        made = (j > 0 or not detach) and type(copy) is torch.Tensor
+                        if not made and isinstance(copy, Parameter):
                             replica._parameters[key] = copy
                         else:
                             replica.__dict__[key] = copy
