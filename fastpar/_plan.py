@@ -3,8 +3,9 @@
 A :class:`Plan` describes a list of same-device tensors laid end to end in one flat
 buffer: each tensor's address, numel and element offset, grouped by dtype (a Triton
 pointer type is a compile-time constant, so each dtype group is one launch). Each
-:class:`Group` builds, on demand and once, the block-to-tensor chunk map for a block
-size and, on CUDA, one device copy of its tables.
+:class:`Group` builds, on demand and once per block size, the Numba kernels' chunk map
+(``chunk_map``: an entry per program) or the Triton kernels' ``block_begin`` (an entry
+per tensor) and, on CUDA, one device copy of its tables.
 
 Plans are built with ``map`` over C-level getters and vectorised numpy, never a Python
 loop per tensor, and are cached on the identity of the tensor objects: a training loop
@@ -82,12 +83,17 @@ def check_tensor_list(tensors, name: str) -> tuple:
     return tup
 
 
-def chunk_map(numels: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """For ``block`` elements per program: the tensor (int32 position) each program
-    works on and the element it starts at (int64), tensors in order."""
+def _check_block(block) -> None:
     if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 1:
         # A zero block would map no program at all: a launch that writes nothing.
         raise ValueError(f"block (elements per program, e.g. a tuned chunk) must be a positive int, got {block!r}")
+
+
+def chunk_map(numels: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """For ``block`` elements per program: the tensor (int32 position) each program
+    works on and the element it starts at (int64), tensors in order. (The Numba
+    kernels' map: one entry per program. The Triton kernels take ``block_begin``.)"""
+    _check_block(block)
     nblk = (numels + block - 1) // block
     ends = np.cumsum(nblk)
     total = int(ends[-1]) if len(ends) else 0
@@ -96,15 +102,47 @@ def chunk_map(numels: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
     return tensor, start
 
 
+def block_begin(numels: np.ndarray, block: int) -> tuple[np.ndarray, int]:
+    """For ``block`` elements per program, tensors in order: each tensor's first program
+    (int64, non-decreasing; an empty tensor shares the next one's) and the number of
+    programs. The Triton kernels' tables hold this, one entry per tensor, and each
+    program finds its tensor by searching it (``find_tensor``): a table of one entry per
+    program (``chunk_map``) is what a list made anew each call paid for on the host,
+    about 350 KB for a Transformer's 184 tensors at 2048 elements per program."""
+    _check_block(block)
+    nblk = (numels + block - 1) // block
+    ends = np.cumsum(nblk)
+    return ends - nblk, (int(ends[-1]) if len(ends) else 0)
+
+
 class _Numel:
     """``numel``: the sum of ``numels``, taken once (they never change, and a launch
-    asks several times: summing 10,000 numels costs ~8 us each time)."""
+    asks several times: summing 10,000 numels costs ~8 us each time). And the per-block
+    maps of ``numels``, made once per block size (``_blocks``)."""
 
     @property
     def numel(self) -> int:
         hit = self.__dict__.get("_numel")
         if hit is None:
             hit = self.__dict__["_numel"] = int(self.numels.sum())
+        return hit
+
+    def blocks(self, block: int) -> tuple[np.ndarray, np.ndarray]:
+        """The chunk map for ``block`` elements per program (``chunk_map``): for each
+        program, which tensor it works on (int32 position in this group) and where in
+        it it starts."""
+        hit = self._blocks.get(block)
+        if hit is None:
+            hit = self._blocks[block] = chunk_map(self.numels, block)
+        return hit
+
+    def block_begin(self, block: int) -> tuple[np.ndarray, int]:
+        """``(first program of each tensor, programs)`` for ``block`` elements per
+        program (``block_begin``)."""
+        key = ("begin", block)
+        hit = self._blocks.get(key)
+        if hit is None:
+            hit = self._blocks[key] = block_begin(self.numels, block)
         return hit
 
 
@@ -212,17 +250,10 @@ class Group(_Numel):
             self._blocks[key] = hit
         return hit
 
-    def blocks(self, block: int) -> tuple[np.ndarray, np.ndarray]:
-        """The chunk map for ``block`` elements per program: for each program, which
-        tensor it copies (int32 position in this group) and where in it it starts."""
-        hit = self._blocks.get(block)
-        if hit is None:
-            hit = self._blocks[block] = chunk_map(self.numels, block)
-        return hit
-
     def device_table(self, block: int, device: torch.device) -> torch.Tensor:
         """One int64 tensor on ``device`` holding ``addrs | numels | offsets |
-        block_start | block_tensor``, copied to the device once per plan and block.
+        block_begin`` (4N entries, whatever the number of programs), copied to the
+        device once per plan and block.
 
         On CUDA the table goes through pinned memory asynchronously, on the current
         stream (where the launch that asked for it runs), as ``ReduceGroup.device_table``'s
@@ -236,9 +267,8 @@ class Group(_Numel):
         key = (block, device)
         hit = self._tables.get(key)
         if hit is None:
-            tensor, start = self.blocks(block)
             host = torch.from_numpy(np.concatenate(
-                [self.addrs.reshape(-1), self.numels, self.offsets, start, tensor.astype(np.int64)]
+                [self.addrs.reshape(-1), self.numels, self.offsets, self.block_begin(block)[0]]
             ))
             # (A transient table serves this call alone: no event.)
             table, event = _upload(host, device, keep=not self.transient)
@@ -636,15 +666,9 @@ class ReduceGroup(_Numel):
             and (self.numels % elem_align == 0).all()
         )
 
-    def blocks(self, block: int) -> tuple[np.ndarray, np.ndarray]:
-        hit = self._blocks.get(block)
-        if hit is None:
-            hit = self._blocks[block] = chunk_map(self.numels, block)
-        return hit
-
     def device_table(self, block: int, device: torch.device) -> torch.Tensor:
-        """``src_addrs (source-major) | dst_addrs | numels | block_start | block_tensor``
-        as one int64 tensor on ``device``.
+        """``src_addrs (source-major) | dst_addrs | numels | block_begin`` ((K + 3)N
+        entries) as one int64 tensor on ``device``.
 
         On CUDA the table goes through pinned memory: an asynchronous copy from pageable
         memory may make the host wait for the stream first (CUDA's "API synchronization
@@ -656,11 +680,13 @@ class ReduceGroup(_Numel):
         (``out=`` of a cached plan): the last table built for those destinations is
         reused while the sources are at the same addresses, as in a loop reducing the
         same tensors into the same ``out``. The table holds nothing but those addresses,
-        the numels and the chunk map, so equal addresses mean an equal table, whatever
-        tensors now live there. On an H200 the per-call table (pinned block, copy,
-        host-to-device copy) took 170-190 us of the host's time per call, for a kernel
-        of 204 us (Transformer, K=4): the call was host-bound. Later launches on other
-        streams wait for the first one's copy, as ``Group.device_table``'s do."""
+        the numels and ``block_begin`` (made from the numels), so equal addresses mean an
+        equal table, whatever tensors now live there. On an H200 a per-call table of an
+        entry per program (pinned block, copy, host-to-device copy; 350 KB) took 170-190
+        us of the host's time per call, for a kernel of 204 us (Transformer, K=4): the
+        call was host-bound. It now has an entry per tensor (10 KB there). Later
+        launches on other streams wait for the first one's copy, as
+        ``Group.device_table``'s do."""
         cache = self.table_cache
         key = ("reduce", block, device)
         if cache is not None:
@@ -669,9 +695,8 @@ class ReduceGroup(_Numel):
                     and np.array_equal(hit[1], self.dst_addrs) and np.array_equal(hit[2], self.numels)):
                 _wait_for_copy(hit, 4, device)
                 return hit[3]
-        tensor, start = self.blocks(block)
         host = torch.from_numpy(np.concatenate(
-            [self.src_addrs.reshape(-1), self.dst_addrs, self.numels, start, tensor.astype(np.int64)]
+            [self.src_addrs.reshape(-1), self.dst_addrs, self.numels, self.block_begin(block)[0]]
         ))
         table, event = _upload(host, device, keep=cache is not None)
         if cache is not None:

@@ -5,9 +5,11 @@ integer width, so a 32-bit index wraps there as on a GPU) and the Numba kernels.
 A GPU holds buffers of more than 2**31 elements every day; copying one here would take
 the interpreter millions of programs. So each test builds a launch group by hand over one
 4 GiB *virtual* buffer (only the pages around the windows written are ever touched) and
-seeds its chunk map with a single block that starts past 2**31 elements of its tensor,
+seeds its chunk maps with a single block that starts past 2**31 elements of its tensor,
 or lands past 2**31 elements into the flat buffer: one program, the offsets of a huge
-launch. The AOT tests (tests/test_aot.py) check the same property in the compiled code.
+launch. (The Numba kernels read ``blocks`` (each program's start); the Triton kernels
+``block_begin`` (each tensor's first program), seeded as ``-start / BLOCK`` so that
+program 0 starts at ``start``.) The AOT tests (tests/test_aot.py) check the same property in the compiled code.
 """
 from __future__ import annotations
 
@@ -42,8 +44,15 @@ def _group(t: torch.Tensor, offset: int, start: int) -> Group:
     ``t``, to or from ``flat[offset + start ...]``."""
     g = Group(t.dtype, t.device, np.arange(1), (t,), np.array([t.data_ptr()], np.int64),
               np.array([t.numel()], np.int64), np.array([offset], np.int64), transient=True)
-    g._blocks[BLOCK] = (np.array([0], np.int32), np.array([start], np.int64))
+    g._blocks.update(_maps(start))
     return g
+
+
+def _maps(start: int) -> dict:
+    """Both chunk maps of one program that starts at element ``start`` of tensor 0."""
+    assert start % BLOCK == 0
+    return {BLOCK: (np.array([0], np.int32), np.array([start], np.int64)),
+            ("begin", BLOCK): (np.array([-(start // BLOCK)], np.int64), 1)}
 
 
 def _kw(backend: str) -> dict:
@@ -112,7 +121,7 @@ def test_reduce_add_past_2_31_elements(big, backend):
     # Two sources (the same memory, read twice) into one destination.
     g = ReduceGroup(torch.int8, src.device, np.array([[src.data_ptr()], [src.data_ptr()]], np.int64),
                     np.array([dst.data_ptr()], np.int64), n, [(src,), (src,)], (dst,),
-                    {BLOCK: (np.array([0], np.int32), np.array([start], np.int64))})
+                    _maps(start))
     if backend == "triton":
         TR.reduce_add(g, block=BLOCK)
     else:

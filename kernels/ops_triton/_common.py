@@ -95,6 +95,30 @@ def keep_for_stream(table: torch.Tensor) -> None:
 
 
 @triton.jit
+def find_tensor(begin, pid, n_tensors):
+    """The tensor program ``pid`` works on: the last ``t`` with ``begin[t] <= pid``.
+
+    ``begin`` (``*i64``, ``n_tensors`` entries) holds each tensor's first program, tensors
+    in order: non-decreasing from 0, an empty tensor sharing the next one's. The table
+    thus has one entry per tensor instead of one per program: a per-call table of one
+    per program cost ~190 us of host time on an H200 for a Transformer's 184 tensors.
+
+    A binary search of scalar loads, ``ceil(log2(n_tensors))`` of them (8 for 184
+    tensors, 14 for 10,000), every thread of the program reading the same entry: the
+    entries stay in L1/L2 for the launch. (A search comparing many entries per step
+    needs a reduction across warps: shared memory, barriers, and 32-bit lane compares.)
+    ``pid``: int64 scalar; ``n_tensors``: int64 scalar, at least 1. Every value is 64-bit."""
+    lo = tl.full((), 0, tl.int64)  # begin[lo] <= pid (begin[0] == 0)
+    hi = n_tensors  # hi == n_tensors or begin[hi] > pid
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        below = tl.load(begin + mid) <= pid
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid)
+    return lo
+
+
+@triton.jit
 def to_storage(x, DST: tl.constexpr):
     """Convert ``x`` for a store of dtype ``DST`` the way torch does.
 

@@ -2,8 +2,9 @@
 
 One launch per dtype group, whatever the number of tensors: addresses come from an int64
 pointer table in device memory (no 4 KB kernel-argument limit, unlike apex's and
-``_foreach``'s by-value structs), and a block-to-tensor chunk map gives every program one
-``BLOCK``-element piece of one tensor.
+``_foreach``'s by-value structs), and every program copies one ``BLOCK``-element piece
+of one tensor, which it finds by a search of each tensor's first program
+(``block_begin``, one entry per tensor: see ``_common.find_tensor``).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import triton.language as tl
 from .. import _launch
 from ._common import (
     Kernel,
+    find_tensor,
     align_elems,
     copy_types,
     keep_for_stream,
@@ -30,7 +32,7 @@ DEFAULT_NUM_WARPS = 4
 
 @triton.jit
 def _copy_kernel(
-    table,  # *i64: addrs[N] | numels[N] | offsets[N] | block_start[B] | block_tensor[B]
+    table,  # *i64: addrs[N] | numels[N] | offsets[N] | block_begin[N]
     n_tensors,  # N, tensors in this group
     flat,  # the flat buffer (source if not TO_FLAT, else destination); bf16 as int16 bits
     scale: tl.float64,  # multiplier (used when SCALED), converted to COMPUTE
@@ -45,17 +47,17 @@ def _copy_kernel(
     BLOCK: tl.constexpr,  # elements per program
 ):
     """Program ``p`` copies elements ``[start, start + BLOCK)`` (clipped to the numel) of
-    tensor ``t = block_tensor[p]``, ``start = block_start[p]``, to or from
-    ``flat[offsets[t] + start ...]``, converting SRC -> DST like ``Tensor.to`` and
-    multiplying by ``scale`` in COMPUTE when SCALED. Programs never overlap."""
-    # The chunk map, read inline: Triton 3.6 (torch 2.11's) loses the alignment hints
-    # below when these come back from a @jit helper, and then emits scalar accesses.
+    tensor ``t``, the last with ``block_begin[t] <= p``, ``start = (p - block_begin[t]) *
+    BLOCK``, to or from ``flat[offsets[t] + start ...]``, converting SRC -> DST like
+    ``Tensor.to`` and multiplying by ``scale`` in COMPUTE when SCALED. Programs never
+    overlap."""
+    # The tensor's entries, read inline: Triton 3.6 (torch 2.11's) loses the alignment
+    # hints below when these come back from a @jit helper, and then emits scalar accesses.
     pid = tl.program_id(0).to(tl.int64)
-    n_blocks = tl.num_programs(0).to(tl.int64)
     # Passed as i32 below 2**31 (a constant when 1): table offsets in 64 bits.
     n_tensors = tl.cast(n_tensors, tl.int64)
-    t = tl.load(table + 3 * n_tensors + n_blocks + pid)
-    start = tl.load(table + 3 * n_tensors + pid)
+    t = find_tensor(table + 3 * n_tensors, pid, n_tensors)
+    start = (pid - tl.load(table + 3 * n_tensors + t)) * BLOCK
     addr = tl.load(table + t)
     n = tl.load(table + n_tensors + t)
     off = tl.load(table + 2 * n_tensors + t)
@@ -120,7 +122,7 @@ def _launch_copy(group, flat, scale, to_flat: bool, block: int, num_warps: int) 
         align_elems(group.dtype, flat.dtype)
     )
     cx = copy_constexprs(group.dtype, flat.dtype, scaled, to_flat, aligned, block)
-    n_blocks = len(group.blocks(block)[0])
+    n_blocks = group.block_begin(block)[1]
     if n_blocks == 0:
         return
     table = group.device_table(block, flat.device)

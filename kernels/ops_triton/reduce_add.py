@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from .. import _launch
-from ._common import TL_DTYPES, Kernel, keep_for_stream, storage_type, to_storage
+from ._common import TL_DTYPES, Kernel, find_tensor, keep_for_stream, storage_type, to_storage
 
 DEFAULT_BLOCK = 2048
 DEFAULT_NUM_WARPS = 4
@@ -19,7 +19,7 @@ DEFAULT_NUM_WARPS = 4
 
 @triton.jit
 def _reduce_add_kernel(
-    table,  # *i64: src_addrs[K*N] (source-major) | dst_addrs[N] | numels[N] | block_start[B] | block_tensor[B]
+    table,  # *i64: src_addrs[K*N] (source-major) | dst_addrs[N] | numels[N] | block_begin[N]
     n_tensors,  # N
     K: tl.constexpr,  # sources (unrolled: typically 2-8 devices)
     DT: tl.constexpr,  # element type of sources and destination
@@ -28,16 +28,16 @@ def _reduce_add_kernel(
     ALIGN: tl.constexpr,  # >1: addresses 16-byte aligned, numels multiples of ALIGN
     BLOCK: tl.constexpr,  # elements per program
 ):
-    """Program ``p`` sums elements ``[start, start + BLOCK)`` of tensor ``t`` over the K
+    """Program ``p`` sums elements ``[start, start + BLOCK)`` of tensor ``t`` (the last
+    with ``block_begin[t] <= p``; ``start = (p - block_begin[t]) * BLOCK``) over the K
     sources in registers (sources in order, so results are deterministic) and writes
     each destination element once."""
     pid = tl.program_id(0).to(tl.int64)
-    n_blocks = tl.num_programs(0).to(tl.int64)
     # Passed as i32 below 2**31 (a constant when 1): table offsets in 64 bits.
     n_tensors = tl.cast(n_tensors, tl.int64)
-    base = (K + 2) * n_tensors
-    t = tl.load(table + base + n_blocks + pid)
-    start = tl.load(table + base + pid)
+    begin = table + (K + 2) * n_tensors
+    t = find_tensor(begin, pid, n_tensors)
+    start = (pid - tl.load(begin + t)) * BLOCK
     n = tl.load(table + (K + 1) * n_tensors + t)
     dst_addr = tl.load(table + K * n_tensors + t)
     if ALIGN > 1:
@@ -86,7 +86,7 @@ def reduce_constexprs(dtype: torch.dtype, n_sources: int, aligned: bool, block: 
 def reduce_add(group, *, block: int = DEFAULT_BLOCK, num_warps: int = DEFAULT_NUM_WARPS) -> None:
     """Write ``sum_k src[k][t]`` into every destination ``t`` of ``group`` (a
     :class:`fastpar._plan.ReduceGroup`). One launch on ``group.device``."""
-    n_blocks = len(group.blocks(block)[0])
+    n_blocks = group.block_begin(block)[1]
     if n_blocks == 0:
         return
     cx = reduce_constexprs(group.dtype, group.n_sources, group.aligned(16 // group.dtype.itemsize), block)

@@ -1,8 +1,8 @@
 """Triton in-place scale: every tensor of a group multiplied (or divided) by one scalar,
 in one launch.
 
-Programs walk the same pointer table and chunk map as the multi-tensor copy
-(``addrs | numels | offsets | block_start | block_tensor``, built once per group), each
+Programs read the same pointer table as the multi-tensor copy (``addrs | numels |
+offsets | block_begin``, built once per group) and find their tensor the same way, each
 scaling one ``BLOCK``-element piece of one tensor in place. Each element is read and
 written by the same program, so reading and writing through one pointer is safe.
 """
@@ -18,6 +18,7 @@ from .. import _launch
 from ._common import (
     TL_DTYPES,
     Kernel,
+    find_tensor,
     align_elems,
     keep_for_stream,
     storage_type,
@@ -34,7 +35,7 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 @triton.jit
 def _scale_kernel(
-    table,  # *i64: addrs[N] | numels[N] | offsets[N] (unused) | block_start[B] | block_tensor[B]
+    table,  # *i64: addrs[N] | numels[N] | offsets[N] (unused) | block_begin[N]
     n_tensors,  # N, tensors in this group
     factor: tl.float64,  # multiplier, or divisor when DIVIDE; converted to COMPUTE
     DT: tl.constexpr,  # element type of the tensors
@@ -46,17 +47,16 @@ def _scale_kernel(
     BLOCK: tl.constexpr,  # elements per program
 ):
     """Program ``p`` replaces elements ``[start, start + BLOCK)`` (clipped to the numel)
-    of tensor ``t = block_tensor[p]``, ``start = block_start[p]``, by ``x * factor`` or
-    ``x / factor`` computed in COMPUTE and rounded to DT like torch. Programs never
-    overlap."""
-    # The chunk map, read inline: Triton 3.6 (torch 2.11's) loses the alignment hints
-    # below when these come back from a @jit helper, and then emits scalar accesses.
+    of tensor ``t``, the last with ``block_begin[t] <= p``, ``start = (p - block_begin[t])
+    * BLOCK``, by ``x * factor`` or ``x / factor`` computed in COMPUTE and rounded to DT
+    like torch. Programs never overlap."""
+    # The tensor's entries, read inline: Triton 3.6 (torch 2.11's) loses the alignment
+    # hints below when these come back from a @jit helper, and then emits scalar accesses.
     pid = tl.program_id(0).to(tl.int64)
-    n_blocks = tl.num_programs(0).to(tl.int64)
     # Passed as i32 below 2**31 (a constant when 1): table offsets in 64 bits.
     n_tensors = tl.cast(n_tensors, tl.int64)
-    t = tl.load(table + 3 * n_tensors + n_blocks + pid)
-    start = tl.load(table + 3 * n_tensors + pid)
+    t = find_tensor(table + 3 * n_tensors, pid, n_tensors)
+    start = (pid - tl.load(table + 3 * n_tensors + t)) * BLOCK
     addr = tl.load(table + t)
     n = tl.load(table + n_tensors + t)
     if ALIGN > 1:
@@ -122,7 +122,7 @@ def scale(group, factor: float, divide: bool, *, block: int = DEFAULT_BLOCK,
         raise TypeError(
             f"group must hold {', '.join(map(str, DTYPES))} tensors to be scaled, got {group.dtype}"
         )
-    n_blocks = len(group.blocks(block)[0])
+    n_blocks = group.block_begin(block)[1]
     if n_blocks == 0:
         return
     cx = scale_constexprs(group.dtype, divide, group.aligned(align_elems(group.dtype, group.dtype)), block)
