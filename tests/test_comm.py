@@ -1528,22 +1528,36 @@ def test_cuda_one_gpu_reduce_thousand_tensors_one_launch():
 def test_cuda_reduce_reusing_its_table_on_another_stream_waits_for_its_copy():
     # The first call copies its table behind a long kernel on the current stream; the
     # second reuses it on a side stream, which must wait for that copy (not for the
-    # whole stream) before its kernel reads the table.
-    import time
-
+    # whole stream) before its kernel reads the table. Checked by order, not by a wall
+    # time: while the long kernel has not finished, the side stream's work must not have
+    # either. (A check after a fixed sleep failed on a loaded host, 16 xdist workers on
+    # one H200: the host took longer than the kernel to get there.)
     lists = cuda_lists(3, [((4099,), torch.float32), ((33, 5), torch.float32)])
     out = [torch.empty_like(t) for t in lists[0]]
-    comm.reduce_add_coalesced(lists, 0, out=[torch.empty_like(t) for t in lists[0]])  # compiled
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(2e8))  # ~0.1 s on the current stream
-    comm.reduce_add_coalesced(lists, 0, out=out)
     side = torch.cuda.Stream()
+    # Compiled, and a side stream used once: a process's first call on a side stream
+    # blocked the host until the device was idle (H200, torch 2.11), so the check below
+    # saw nothing pending.
+    for stream in (torch.cuda.current_stream(), side):
+        with torch.cuda.stream(stream):
+            comm.reduce_add_coalesced(lists, 0, out=[torch.empty_like(t) for t in lists[0]])
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(1e9))  # ~0.5 s on the current stream
+    slept = torch.cuda.Event()
+    slept.record()
+    comm.reduce_add_coalesced(lists, 0, out=out)
     with torch.cuda.stream(side):
         comm.reduce_add_coalesced(lists, 0, out=out)
         done = torch.cuda.Event()
         done.record(side)
-    time.sleep(0.02)
-    assert not done.query(), "the side stream ran before the reused table had been copied"
+    polls = 0
+    while not slept.query():
+        # (done before slept, read in this order, cannot be a stale pair: slept
+        # completes first whenever the side stream waits.)
+        assert not done.query() or slept.query(), "the side stream ran before the reused table had been copied"
+        polls += 1
+    if polls == 0:
+        pytest.skip("the host reached the check after the 0.5 s kernel had finished: nothing was checked")
     torch.cuda.synchronize()
     for i, (o, e) in enumerate(zip(out, ref_sum([[t.cpu() for t in lst] for lst in lists]))):
         assert_close(o, e, what=f"out[{i}]", tol=reduce_tol(torch.float32, 3))
