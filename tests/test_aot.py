@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from fastpar.kernels.ops_triton import aot
+from fastpar.kernels.ops_triton._common import find_tensor
 
 CCS = [80, 90]
 
@@ -255,3 +256,69 @@ def test_64bit_check_catches_a_32bit_product_widened_after(cc):
                                   aligned_args=("table", "flat"))
     with pytest.raises(AssertionError, match="32-bit"):
         _check_64bit(compiled)
+
+
+@triton.jit
+def _index_compared_in_32bit(table, n_tensors, flat, BLOCK: tl.constexpr):
+    # A 32-bit element index (program + lane) compared with a constant, widened only for
+    # the pointers: no 32-bit multiply or pointer offset, only a compare the PTX check
+    # (and not its allowance for an i32 argument against a constant) must find.
+    idx = tl.program_id(0) + tl.arange(0, BLOCK)
+    n = tl.load(table)
+    m = (idx < 100000) & (idx.to(tl.int64) < n)
+    x = tl.load(flat + idx.to(tl.int64), mask=m)
+    tl.store(flat + n + idx.to(tl.int64), x, mask=m)
+
+
+@pytest.mark.parametrize("cc", CCS)
+def test_64bit_check_catches_a_32bit_compare_of_a_computed_index(cc):
+    signature = {"table": "*i64", "n_tensors": "i32", "flat": "*fp32"}
+    compiled = aot.compile_kernel(_index_compared_in_32bit, signature, {"BLOCK": 1024}, cc,
+                                  aligned_args=("table", "flat"))
+    with pytest.raises(AssertionError, match="32-bit index arithmetic"):
+        _check_64bit(compiled)
+
+
+@pytest.mark.parametrize("cc", CCS)
+def test_kernels_compile_for_one_tensor(cc):
+    """Triton specialises an int argument equal to 1 as a constant: a one-tensor group
+    (a DDP bucket, an RNN's single weight) launches every kernel with ``n_tensors`` a
+    constexpr, which the interpreter never does."""
+    from fastpar.kernels.ops_triton import flatten as F
+    from fastpar.kernels.ops_triton import reduce_add as R
+    from fastpar.kernels.ops_triton import scale as S
+
+    for to_flat in (True, False):
+        cx = F.copy_constexprs(torch.float32, torch.float32, False, to_flat, True, F.DEFAULT_BLOCK)
+        signature = {"table": "*i64", "n_tensors": "i32", "flat": "*fp32", "scale": "fp64"}
+        kernel = aot.compile_kernel(F._copy_kernel, signature, dict(cx, n_tensors=1), cc,
+                                    aligned_args=("table", "flat"))
+        _check_64bit(kernel)
+        assert "ld.global.v4.b32" in kernel.asm["ptx"] and "st.global.v4.b32" in kernel.asm["ptx"]
+    cx = S.scale_constexprs(torch.float32, False, True, S.DEFAULT_BLOCK)
+    kernel = aot.compile_kernel(S._scale_kernel, {"table": "*i64", "n_tensors": "i32", "factor": "fp64"},
+                                dict(cx, n_tensors=1), cc, aligned_args=("table",))
+    _check_64bit(kernel)
+    assert "ld.global.v4.b32" in kernel.asm["ptx"]
+    cx = R.reduce_constexprs(torch.float32, 4, True, R.DEFAULT_BLOCK)
+    kernel = aot.compile_kernel(R._reduce_add_kernel, {"table": "*i64", "n_tensors": "i32"},
+                                dict(cx, n_tensors=1), cc, aligned_args=("table",))
+    _check_64bit(kernel)
+    assert "ld.global.v4.b32" in kernel.asm["ptx"]
+
+
+@triton.jit
+def _find_raw(begin, n_tensors, pids, out):
+    # find_tensor given the kernel argument as it arrives (i32, i64, or the constant 1).
+    i = tl.program_id(0)
+    tl.store(out + i, find_tensor(begin, tl.load(pids + i), n_tensors))
+
+
+@pytest.mark.parametrize("cc", CCS)
+@pytest.mark.parametrize("n_tensors", ["i32", "i64", 1])
+def test_find_tensor_compiles_for_any_n_tensors(cc, n_tensors):
+    """The interpreter runs find_tensor whatever type ``n_tensors`` has; compiled, a
+    loop-carried ``hi`` that changed type (i32 or constexpr in, i64 out) is an error."""
+    signature = {"begin": "*i64", "n_tensors": "i32" if n_tensors == 1 else n_tensors, "pids": "*i64", "out": "*i64"}
+    cx = {"n_tensors": 1} if n_tensors == 1 else {}
+    assert ".entry" in aot.compile_kernel(_find_raw, signature, cx, cc).asm["ptx"]

@@ -107,9 +107,13 @@ def find_tensor(begin, pid, n_tensors):
     tensors, 14 for 10,000), every thread of the program reading the same entry: the
     entries stay in L1/L2 for the launch. (A search comparing many entries per step
     needs a reduction across warps: shared memory, barriers, and 32-bit lane compares.)
-    ``pid``: int64 scalar; ``n_tensors``: int64 scalar, at least 1. Every value is 64-bit."""
-    lo = tl.full((), 0, tl.int64)  # begin[lo] <= pid (begin[0] == 0)
-    hi = n_tensors  # hi == n_tensors or begin[hi] > pid
+    ``pid``: integer scalar; ``n_tensors``: integer scalar or constexpr, at least 1
+    (taken to int64 here: a kernel's i32 argument, or the constant Triton makes of a 1,
+    would otherwise change ``hi``'s type in the loop, which compiles to an error while
+    the interpreter runs it). Every value is 64-bit. Only ``begin[0] <= 0`` is assumed
+    of the first entry (tests/test_big_offsets.py seeds a negative one)."""
+    lo = tl.full((), 0, tl.int64)  # begin[lo] <= pid (begin[0] <= 0)
+    hi = tl.cast(n_tensors, tl.int64)  # hi == n_tensors or begin[hi] > pid
     while hi - lo > 1:
         mid = (lo + hi) // 2
         below = tl.load(begin + mid) <= pid
