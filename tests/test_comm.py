@@ -607,7 +607,7 @@ def _check_reduce_into(srcs, out, what, k=3):
 
 def test_reduce_group_kept_table_is_the_table_it_would_make():
     # ReduceGroup.device_table with a table_cache returns, call after call, a table equal
-    # to the one made anew: for another block (its chunk map), other source or
+    # to the one made anew: for another block (its block_begin), other source or
     # destination addresses, another number of sources.
     import numpy as np
 
@@ -632,7 +632,7 @@ def test_reduce_group_kept_table_is_the_table_it_would_make():
 
 
 def test_reduce_into_out_keeps_a_table_per_launch_block():
-    # The table's chunk map depends on the launch block (a tuned or forced parameter):
+    # The table's block_begin depends on the launch block (a tuned or forced parameter):
     # a call with another block must not read the table made for the first one.
     from fastpar import _tuning
 
