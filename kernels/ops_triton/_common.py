@@ -115,7 +115,7 @@ def find_tensor(begin, pid, n_tensors):
     lo = tl.full((), 0, tl.int64)  # begin[lo] <= pid (begin[0] <= 0)
     hi = tl.cast(n_tensors, tl.int64)  # hi == n_tensors or begin[hi] > pid
     while hi - lo > 1:
-        mid = (lo + hi) // 2
+        mid = (lo + hi) >> 1  # (both >= 0: a shift, not a signed division's fix-up)
         below = tl.load(begin + mid) <= pid
         lo = tl.where(below, mid, lo)
         hi = tl.where(below, hi, mid)

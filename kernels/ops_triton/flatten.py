@@ -53,6 +53,7 @@ def _copy_kernel(
     overlap."""
     # The tensor's entries, read inline: Triton 3.6 (torch 2.11's) loses the alignment
     # hints below when these come back from a @jit helper, and then emits scalar accesses.
+    # (The tensor's position may come from one: no hint rests on it.)
     pid = tl.program_id(0).to(tl.int64)
     # Passed as i32 below 2**31 (a constant when 1): table offsets in 64 bits.
     n_tensors = tl.cast(n_tensors, tl.int64)
