@@ -248,16 +248,6 @@ def _widened_after_32bit_product(table, n_tensors, flat, BLOCK: tl.constexpr):
     tl.store(flat + n + idx, x, mask=idx < n)
 
 
-@pytest.mark.parametrize("cc", CCS)
-def test_64bit_check_catches_a_32bit_product_widened_after(cc):
-    """The checks above find a 32-bit index formed first and widened afterwards."""
-    signature = {"table": "*i64", "n_tensors": "i32", "flat": "*fp32"}
-    compiled = aot.compile_kernel(_widened_after_32bit_product, signature, {"BLOCK": 1024}, cc,
-                                  aligned_args=("table", "flat"))
-    with pytest.raises(AssertionError, match="32-bit"):
-        _check_64bit(compiled)
-
-
 @triton.jit
 def _index_compared_in_32bit(table, n_tensors, flat, BLOCK: tl.constexpr):
     # A 32-bit element index (program + lane) compared with a constant, widened only for
@@ -271,11 +261,17 @@ def _index_compared_in_32bit(table, n_tensors, flat, BLOCK: tl.constexpr):
 
 
 @pytest.mark.parametrize("cc", CCS)
-def test_64bit_check_catches_a_32bit_compare_of_a_computed_index(cc):
+@pytest.mark.parametrize(
+    "kernel,match",
+    [(_widened_after_32bit_product, "32-bit"), (_index_compared_in_32bit, "32-bit index arithmetic")],
+    ids=["product-widened-after", "computed-index-compared"],
+)
+def test_64bit_check_catches_32bit_index_math(cc, kernel, match):
+    """The checks above find a 32-bit index formed first and widened afterwards, and a
+    32-bit compare of a computed index (which only the PTX check sees)."""
     signature = {"table": "*i64", "n_tensors": "i32", "flat": "*fp32"}
-    compiled = aot.compile_kernel(_index_compared_in_32bit, signature, {"BLOCK": 1024}, cc,
-                                  aligned_args=("table", "flat"))
-    with pytest.raises(AssertionError, match="32-bit index arithmetic"):
+    compiled = aot.compile_kernel(kernel, signature, {"BLOCK": 1024}, cc, aligned_args=("table", "flat"))
+    with pytest.raises(AssertionError, match=match):
         _check_64bit(compiled)
 
 
