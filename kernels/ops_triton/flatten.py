@@ -17,9 +17,9 @@ import triton.language as tl
 from .. import _launch
 from ._common import (
     Kernel,
-    find_tensor,
     align_elems,
     copy_types,
+    find_tensor,
     keep_for_stream,
     storage_type,
     to_storage,

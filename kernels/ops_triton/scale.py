@@ -18,8 +18,8 @@ from .. import _launch
 from ._common import (
     TL_DTYPES,
     Kernel,
-    find_tensor,
     align_elems,
+    find_tensor,
     keep_for_stream,
     storage_type,
     to_storage,
