@@ -332,7 +332,7 @@ def _bind(plan, key, flat, given: bool, backend: str):
     checked ``plan`` and a checked ``flat``, made or reused; None where calls are not
     bound: another backend, non-contiguous tensors (staged through new temporaries every
     call), a plan that is not cached."""
-    if backend != "numba" or len(plan.noncontig) or plan.meta is None and plan.guard is None:
+    if backend != "numba" or len(plan.noncontig) or not plan.reusable:
         return None
     from .kernels.ops_numba import flatten as numba_flatten
 

@@ -311,6 +311,13 @@ class Plan(_Numel):
     guard: object = None
 
     @property
+    def reusable(self) -> bool:
+        """Whether a later call can find this plan again: it has a re-check snapshot
+        (``meta`` or ``guard``). Not a plan made for one call (``plan_for(...,
+        cache=False)``, transient tensors), nor one whose tensors no check can snapshot."""
+        return self.meta is not None or self.guard is not None
+
+    @property
     def shapes(self) -> tuple:
         """Each tensor's shape (made once per plan: a torch.Size costs ~1 us)."""
         hit = self.__dict__.get("_shapes")

@@ -488,7 +488,7 @@ def _permuted(t: torch.Tensor, perm: list, name: str) -> list:
     the view made at the first call still describes it (a view of a detached alias:
     see :func:`_kept`)."""
     plan = plan_for([t], name)
-    if plan.meta is None and plan.guard is None:  # an uncached plan (transient tensors)
+    if not plan.reusable:  # (no later call finds it: nothing to keep views on)
         return [t.permute(perm)]
     return _kept(plan, ("_permuted", tuple(perm)), lambda ts: [ts[0].detach().permute(perm)])
 
@@ -668,7 +668,7 @@ def _real_views(plan) -> list:
     lazily conjugated or negated tensor is resolved into a new copy per call). A plan
     hit means the same tensor objects with the same data pointers, sizes, strides and
     dispatch keys, so views made at the first call still describe them."""
-    if plan.meta is None and plan.guard is None:  # an uncached plan (transient tensors)
+    if not plan.reusable:  # (no later call finds it: nothing to keep views on)
         return _as_real(plan.tensors)
     if "_real_views" not in plan.__dict__ and any(t.is_conj() or t.is_neg() for t in plan.tensors):
         return _as_real(plan.tensors)

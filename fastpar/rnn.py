@@ -606,7 +606,7 @@ def _bind_pack(plan, layout: RNNLayout, packed, op: str, backend: str, out):
     ``out``, for the next call's :func:`_bound_pack`; None where packs are not bound: another
     backend, a replaced launcher, an uncached plan, a tensor the compiled check cannot
     snapshot."""
-    if backend != "numba" or plan.meta is None and plan.guard is None:
+    if backend != "numba" or not plan.reusable:
         return None
     launcher = _flatten.own_launcher(op)
     snap = snapshot_one(out)
