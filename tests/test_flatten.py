@@ -372,6 +372,89 @@ def test_plan_cache_does_not_keep_a_steps_tensors_alive():
         assert alive <= 1, f"{alive} of 10 steps' tensors kept alive (persistent first: {persistent_first})"
 
 
+def _key_plans(ts) -> tuple:
+    from fastpar import _plan
+
+    return _plan._CACHE._plans.get((len(ts), id(ts[0]), id(ts[-1])), ())
+
+
+@pytest.mark.parametrize("n", [3, 184, 10_000])
+def test_plan_cache_keeps_lists_that_share_their_ends(n):
+    # Two lists of the same length and the same first and last tensors, different in
+    # between (the plan cache's key is the length and the two ends), used in turn: each
+    # keeps its plan. With one plan per key they evicted each other, and every call
+    # rebuilt its plan (10,000 tensors: 7.9 ms a call against 0.11 ms).
+    from fastpar import _plan
+
+    a, z = torch.randn(5), torch.randn(3)
+    lists = [[a, *(torch.randn(7) for _ in range(n - 2)), z] for _ in range(3)]
+    if n > 3:  # differing at one place, which the ids sampled before the full check miss
+        lists[2] = [*lists[1][:-2], torch.randn(7), z]
+    out = torch.empty(7 * (n - 2) + 8)
+    for lst in lists:
+        fastpar.flatten(lst, out=out)
+    misses = _plan._CACHE.misses
+    for _ in range(3):
+        for i, lst in enumerate(lists):
+            poison_(out)
+            fastpar.flatten(lst, out=out)
+            assert torch.equal(out, torch.cat(lst)), f"list {i} of {len(lists)}: wrong values"
+    assert _plan._CACHE.misses == misses, f"{_plan._CACHE.misses - misses} plans rebuilt for lists seen before"
+    assert len(_key_plans(lists[0])) == 3
+
+
+def test_plan_cache_keeps_at_most_its_slots_per_key():
+    from fastpar import _plan
+
+    a, z = torch.randn(2), torch.randn(2)
+    lists = [[a, torch.randn(3), z] for _ in range(_plan._CACHE.SLOTS + 2)]
+    for lst in lists:
+        assert torch.equal(fastpar.flatten(lst), torch.cat(lst))
+    plans = _key_plans(lists[0])
+    assert len(plans) == _plan._CACHE.SLOTS
+    assert [p.tensors for p in plans] == [tuple(lst) for lst in lists[::-1][: _plan._CACHE.SLOTS]], \
+        "not the most recent lists, most recent first"
+    misses = _plan._CACHE.misses
+    fastpar.flatten(lists[-3])  # a hit moves its plan to the front
+    assert _plan._CACHE.misses == misses and _key_plans(lists[0])[0].tensors == tuple(lists[-3])
+    assert len(_plan._CACHE) == _plan._CACHE.SLOTS
+
+
+def test_plan_cache_lets_a_shared_key_plan_go_with_its_middle_tensors():
+    # Persistent ends and a new middle tensor every step (a gradient list whose middle
+    # .grad is replaced): a plan beside a newer one of the same key is kept only while
+    # all its tensors are referenced elsewhere, so neither the old middles stay alive
+    # nor the key fills with plans that can never be hit again.
+    import gc
+    import weakref
+
+    a, z = torch.randn(4), torch.randn(4)
+    refs = []
+    for _ in range(10):
+        mid = torch.randn(1000)
+        refs.append(weakref.ref(mid))
+        ts = [a, mid, z]
+        fastpar.flatten(ts)
+        del mid
+    gc.collect()
+    alive = sum(r() is not None for r in refs)
+    assert alive == 1, f"{alive} of 10 steps' middle tensors alive (only the last list's plan holds one)"
+    assert len(_key_plans(ts)) == 1
+
+
+def test_plan_cache_replaces_the_plan_of_the_same_tensors_changed_in_place():
+    # The same tensor objects with new metadata: the old plan can never be hit again and
+    # is replaced, not kept beside the new one.
+    from fastpar import _plan
+
+    ts = [torch.randn(5), torch.randn(6), torch.randn(3)]
+    fastpar.flatten(ts)
+    ts[1].data = torch.full((2, 3), 2.0)  # same object, new storage and shape
+    misses = _plan._CACHE.misses
+    assert torch.equal(fastpar.flatten(ts), torch.cat([t.reshape(-1) for t in ts]))
+    assert _plan._CACHE.misses == misses + 1 and len(_key_plans(ts)) == 1
+
+
 def test_plan_cache_sees_replaced_storage():
     ts = [torch.randn(5), torch.randn(3)]
     fastpar.flatten(ts)
