@@ -217,7 +217,7 @@ def _launch(plan, key, flat, given: bool) -> list:
 def _group_params(op: str, backend: str, g, flat, numel: int) -> dict:
     """The tuned launch parameters of ``op`` for group ``g`` and ``flat``."""
     src, dst = (g.dtype, flat.dtype) if op == "flatten" else (flat.dtype, g.dtype)
-    return _tuning.params(op, backend, src, dst, numel)
+    return _tuning.params(op, backend, src, dst, numel, flat.device)
 
 
 # ---------------------------------------------------------------------------
@@ -568,7 +568,7 @@ def pack_bytes(plan, bufs, layout) -> None:
         if g.dtype.itemsize > 8:  # complex128: the same bytes, as pairs of 8-byte words
             g = g.as_words()
         # Same chunking knobs as flatten (the same kernel shape).
-        kwargs = _tuning.params("flatten", backend, g.dtype, g.dtype, g.numel * len(bufs))
+        kwargs = _tuning.params("flatten", backend, g.dtype, g.dtype, g.numel * len(bufs), plan.device)
         launch(g.local(), [region(b, g, off) for b in bufs], **kwargs)
     increment_version(bufs)
 

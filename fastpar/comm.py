@@ -594,7 +594,7 @@ def reduce_add_coalesced(inputs, destination=None, buffer_size=_DEFAULT_BUFFER, 
             [kept[gi] for kept in keep_alive], dst_tensors[gi], g._blocks, fresh=fresh[gi],
             table_cache=table_caches[gi],
         )
-        launch(group, **_tuning.params("reduce_add", backend, g.dtype, g.dtype, g.numel))
+        launch(group, **_tuning.params("reduce_add", backend, g.dtype, g.dtype, g.numel, dst))
     if path == "peer":
         _cuda.release_to(dst, devs)
     if out is not None:

@@ -350,7 +350,7 @@ def _launch(op: str, entry: _Bucket, bucket_buf: torch.Tensor, flat: torch.Tenso
         else:
             src_dtype, dst_dtype = flat.dtype, bucket_buf.dtype
         # The same dict object while the tuning table is unchanged (see _tuning.params).
-        tuned = _tuning.params(op, backend, src_dtype, dst_dtype, bucket_buf.numel())
+        tuned = _tuning.params(op, backend, src_dtype, dst_dtype, bucket_buf.numel(), bucket_buf.device)
         if p is None or p.backend != backend or p.tuned is not tuned:
             if len(entry.passes) >= _MAX_PASSES_PER_BUCKET:
                 # A backend handing back a new result tensor every step would otherwise

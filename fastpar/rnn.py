@@ -570,10 +570,11 @@ def _pack(weights, layout: RNNLayout, out, cache: bool, more_outs=(), bind: bool
     if bound is not None:
         bound.run()
     elif op == "broadcast":
-        launch(packed, outs, **_tuning.params("flatten", backend, g.dtype, g.dtype, layout.numel * len(outs)))
+        launch(packed, outs, **_tuning.params("flatten", backend, g.dtype, g.dtype, layout.numel * len(outs),
+                                              packed.device))
     else:
         for o in outs:
-            launch(packed, o, None, **_tuning.params("flatten", backend, g.dtype, o.dtype, layout.numel))
+            launch(packed, o, None, **_tuning.params("flatten", backend, g.dtype, o.dtype, layout.numel, packed.device))
     increment_version(outs)
     return out
 
@@ -616,11 +617,11 @@ def _bind_pack(plan, layout: RNNLayout, packed, op: str, backend: str, out):
 
     def bind():
         if op == "broadcast":
-            run = numba_flatten.bind_broadcast(
-                packed, [out], **_tuning.params("flatten", backend, packed.dtype, packed.dtype, layout.numel))
+            run = numba_flatten.bind_broadcast(packed, [out], **_tuning.params(
+                "flatten", backend, packed.dtype, packed.dtype, layout.numel, packed.device))
         else:
-            run = numba_flatten.bind_copy(
-                packed, out, None, True, **_tuning.params("flatten", backend, packed.dtype, out.dtype, layout.numel))
+            run = numba_flatten.bind_copy(packed, out, None, True, **_tuning.params(
+                "flatten", backend, packed.dtype, out.dtype, layout.numel, packed.device))
         return () if run is None else (run,)
 
     bound = _flatten._Bound()

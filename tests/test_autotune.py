@@ -327,6 +327,35 @@ def test_valid_file_used_without_warning(results):
     assert _tuning.status("cpu")["state"] == "ok"
 
 
+def test_interpreter_launches_on_cpu_tensors_read_no_cuda_table(results, monkeypatch):
+    """The ops asked for the Triton backend's launch parameters without a device, which
+    means the current CUDA device: on a machine with CUDA, CPU tensors run under the
+    Triton interpreter read the GPU's tuned file (its winners used, a TuningWarning naming
+    it where it is missing or stale) and initialised CUDA. They pass their tensors'
+    device, and the interpreter is never tuned. (CUDA is simulated: any question about
+    the CUDA device fails the test.)"""
+    from fastpar import comm, rnn
+
+    def asked(*a, **k):
+        raise AssertionError("a launch on CPU tensors asked about the CUDA device")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", asked)
+    monkeypatch.setattr(torch.cuda, "get_device_name", asked)
+    ts = [torch.randn(5), torch.randn(3, 2)]
+    lstm = torch.nn.LSTM(3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TuningWarning)
+        with fastpar.use_backend("triton"):
+            flat = fastpar.flatten(ts)
+            fastpar.unflatten_into(flat, [torch.empty_like(t) for t in ts])
+            comm.reduce_add_coalesced([ts, ts], "cpu")
+            comm.broadcast_coalesced(ts, ["cpu", "cpu"])
+            rnn.pack(list(lstm._flat_weights), rnn.RNNLayout.for_module(lstm))
+    assert torch.equal(flat, torch.cat([t.reshape(-1) for t in ts]))
+    assert all(backend != "triton" or (dev is not None and dev.type == "cpu") for backend, dev in _tuning._tables)
+
+
 def _ro_dir(path, monkeypatch):
     """Make ``path`` read-only; as root (permissions do not apply) make writes there fail
     the way they would for a user."""
