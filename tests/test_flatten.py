@@ -442,6 +442,39 @@ def test_plan_cache_lets_a_shared_key_plan_go_with_its_middle_tensors():
     assert len(_key_plans(ts)) == 1
 
 
+class _Sub(torch.Tensor):
+    pass
+
+
+@pytest.mark.parametrize("where", ["middle", "end"])
+@pytest.mark.parametrize("kind", ["duplicate"])
+def test_plan_cache_lets_go_of_listed_twice_tensors(kind, where):
+    # A tensor listed twice is held twice by its plan's tuple. The extra reference was
+    # not counted, so such a tensor never looked orphaned: a new one each step kept its
+    # plan and itself alive (in the middle: SLOTS steps' worth; at an end, where each
+    # step makes a new key: up to the cache's size).
+    import gc
+    import weakref
+
+    a, z = torch.randn(4), torch.randn(4)
+    refs = []
+    for _ in range(10):
+        mid = torch.randn(1000)
+        if kind == "subclass":
+            mid = mid.as_subclass(_Sub)
+        refs.append(weakref.ref(mid))
+        if kind == "duplicate":
+            ts = [a, mid, mid, z] if where == "middle" else [mid, a, mid]
+        else:
+            ts = [a, mid, z] if where == "middle" else [a, z, mid]
+        assert torch.equal(fastpar.flatten(ts).as_subclass(torch.Tensor),
+                           torch.cat([t.as_subclass(torch.Tensor) for t in ts]))
+        del mid, ts
+    gc.collect()
+    alive = sum(r() is not None for r in refs)
+    assert alive == 1, f"{alive} of 10 steps' tensors alive (only the last list's plan holds one)"
+
+
 def test_plan_cache_replaces_the_plan_of_the_same_tensors_changed_in_place():
     # The same tensor objects with new metadata: the old plan can never be hit again and
     # is replaced, not kept beside the new one.
