@@ -67,11 +67,15 @@ def _overriding(plan, *others) -> tuple:
     so a subclass gets its results as its own class (or does what its override says):
     without this, the kernels read its data and returned plain tensors. The subclassed
     members are found once per plan (a cached plan holds the same objects), so plain
-    lists pay nothing per call."""
+    lists pay nothing per call. Their positions are kept, not the tensors: a second
+    reference to each, which ``plan.internal_refs`` does not count, made the plan cache
+    take a dropped subclassed tensor for a live one and keep its plan (and the tensor)."""
     subs = plan.__dict__.get("_subclassed")
     if subs is None:
-        subs = plan.__dict__["_subclassed"] = tuple(t for t in plan.tensors if type(t) not in _PLAIN)
-    args = subs + tuple(o for o in others if isinstance(o, torch.Tensor) and type(o) not in _PLAIN)
+        subs = plan.__dict__["_subclassed"] = tuple(
+            i for i, t in enumerate(plan.tensors) if type(t) not in _PLAIN)
+    args = tuple(plan.tensors[i] for i in subs) if subs else ()
+    args += tuple(o for o in others if isinstance(o, torch.Tensor) and type(o) not in _PLAIN)
     # (False inside an override's own call, where torch functions are disabled.)
     return args if args and has_torch_function(args) else ()
 

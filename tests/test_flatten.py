@@ -447,10 +447,11 @@ class _Sub(torch.Tensor):
 
 
 @pytest.mark.parametrize("where", ["middle", "end"])
-@pytest.mark.parametrize("kind", ["duplicate"])
-def test_plan_cache_lets_go_of_listed_twice_tensors(kind, where):
-    # A tensor listed twice is held twice by its plan's tuple. The extra reference was
-    # not counted, so such a tensor never looked orphaned: a new one each step kept its
+@pytest.mark.parametrize("kind", ["duplicate", "subclass"])
+def test_plan_cache_lets_go_of_listed_twice_or_subclassed_tensors(kind, where):
+    # A tensor listed twice is held twice by its plan's tuple; a subclassed one was held
+    # again by the plan's memo of overriding members. Neither extra reference was
+    # counted, so such a tensor never looked orphaned: a new one each step kept its
     # plan and itself alive (in the middle: SLOTS steps' worth; at an end, where each
     # step makes a new key: up to the cache's size).
     import gc
