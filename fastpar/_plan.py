@@ -559,6 +559,10 @@ class _PlanCache:
     of its tensors is referenced from outside the cache (one that nothing else refers to
     can never be passed again, and the plan would keep it alive), and only if it holds
     other tensor objects (the same objects with new metadata make it stale for good).
+    That is checked when the key gets a new plan (other misses look at the ends only):
+    a middle tensor the caller drops after that stays alive until the key's next new
+    plan or :func:`clear_plan_cache`. References from other cached plans count as
+    outside ones, so two keys' plans sharing a tensor keep each other's copy alive.
     """
 
     #: Plans kept per key (the most recently used first).
