@@ -559,10 +559,11 @@ class _PlanCache:
     of its tensors is referenced from outside the cache (one that nothing else refers to
     can never be passed again, and the plan would keep it alive), and only if it holds
     other tensor objects (the same objects with new metadata make it stale for good).
-    That is checked when the key gets a new plan (other misses look at the ends only):
-    a middle tensor the caller drops after that stays alive until the key's next new
-    plan or :func:`clear_plan_cache`. References from other cached plans count as
-    outside ones, so two keys' plans sharing a tensor keep each other's copy alive.
+    That is checked whenever a plan is built (a miss): a middle tensor the caller drops
+    stays alive until the next miss or :func:`clear_plan_cache`, as the ends of every
+    cached plan do. References from other cached plans count as outside ones, so two
+    keys' plans sharing a tensor keep each other's copy alive (up to ``SLOTS`` plans'
+    worth per key, where one plan per key held one).
     """
 
     #: Plans kept per key (the most recently used first).
@@ -613,8 +614,10 @@ class _PlanCache:
         with self._lock:
             self.misses += 1
             self._evict_orphans()
-            kept = tuple(p for p in self._plans.get(key, ())
-                         if not np.array_equal(p.ids, plan.ids) and not _orphaned_anywhere(p))
+            # (_evict_orphans has just checked the key's older plans whole; its newest
+            # one becomes an older one now.)
+            kept = tuple(p for i, p in enumerate(self._plans.get(key, ()))
+                         if not np.array_equal(p.ids, plan.ids) and (i or not _orphaned_anywhere(p)))
             self._plans[key] = (plan, *kept[: self.SLOTS - 1])
             self._plans.move_to_end(key)
             total = sum(map(len, self._plans.values()))
@@ -641,8 +644,11 @@ class _PlanCache:
             return (sys.getrefcount(p.tensors[0]) - 1 <= refs * int(mult[0])
                     or sys.getrefcount(p.tensors[-1]) - 1 <= refs * int(mult[-1]))
 
+        # A key's older plans (kept beside a newer one with the same ends) are checked
+        # whole: their middle tensors are in no key, so one the caller dropped after
+        # the newer plan came would otherwise stay alive until the key's next new plan.
         for k, slot in list(self._plans.items()):
-            live = tuple(p for p in slot if not orphan(p))
+            live = tuple(p for i, p in enumerate(slot) if not (orphan(p) or (i and _orphaned_anywhere(p))))
             if not live:
                 del self._plans[k]
             elif len(live) < len(slot):

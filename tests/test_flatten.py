@@ -442,6 +442,32 @@ def test_plan_cache_lets_a_shared_key_plan_go_with_its_middle_tensors():
     assert len(_key_plans(ts)) == 1
 
 
+def test_plan_cache_lets_an_older_plans_middle_go_at_the_next_miss():
+    # [a, m1, z], then [a, m2, z] while m1 is still referenced (kept beside), then the
+    # caller drops m1: the next plan built anywhere (another key) lets m1 go, as it
+    # does a dropped end tensor; it was kept until this key's next new plan.
+    import gc
+    import weakref
+
+    from fastpar import _plan
+
+    a, z = torch.randn(4), torch.randn(4)
+    m1, m2 = torch.randn(1000), torch.randn(1000)
+    fastpar.flatten([a, m1, z])
+    fastpar.flatten([a, m2, z])
+    assert len(_key_plans([a, m2, z])) == 2
+    ref = weakref.ref(m1)
+    del m1
+    gc.collect()
+    assert ref() is not None, "held by the older plan until the next miss"
+    misses = _plan._CACHE.misses
+    fastpar.flatten([torch.randn(3), torch.randn(2)])  # a miss on another key
+    assert _plan._CACHE.misses == misses + 1
+    gc.collect()
+    assert ref() is None, "the older plan's dropped middle tensor is still alive"
+    assert [p.tensors[1] for p in _key_plans([a, m2, z])] == [m2]
+
+
 class _Sub(torch.Tensor):
     pass
 
