@@ -7,6 +7,18 @@ import os
 import re
 import warnings
 
+# MKL's matrix products can round differently when an operand sits at another
+# alignment, unless its conditional numerical reproducibility mode is on (2-core Zen 5 VM,
+# 2026-11-27, MKL 2024.0: 56 of 120 products of x @ W.t() with x and W moved off their
+# 64-byte boundaries differed in the last bits, in float32 from x 4-28 bytes off a 32-byte
+# boundary and in float64 from x or W 8 bytes off a 16-byte one; with MKL_CBWR set to
+# AUTO, COMPATIBLE or AVX2, none did). Tests compare modules whose weights sit in
+# fastpar's buffers (packed RNNs, replicas) with torch's, whose weights sit elsewhere,
+# bit for bit: without the mode, on some host CPU a BLAS path picked by alignment could
+# fail them. MKL reads the variable at its first call, so it is set here, before torch
+# computes anything; a value given in the environment is kept.
+os.environ.setdefault("MKL_CBWR", "AUTO")
+
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
