@@ -688,8 +688,8 @@ def _multiplicity(plan: Plan):
 def _orphaned_anywhere(plan: Plan) -> bool:
     """Whether some tensor of ``plan`` is referenced by nothing but the plan (whose own
     references to each tensor ``plan.internal_refs`` counts, per occurrence in the list;
-    ``getrefcount`` adds one for its argument). Read when a plan of the same key is
-    built, once per plan kept."""
+    ``getrefcount`` adds one for its argument). Read at every miss for each key's older
+    plans, and for a key's newest plan when the key gets a new one."""
     refs = plan.internal_refs
     mult = _multiplicity(plan)
     if mult is None:
