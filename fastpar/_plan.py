@@ -93,12 +93,10 @@ def chunk_map(numels: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
     """For ``block`` elements per program: the tensor (int32 position) each program
     works on and the element it starts at (int64), tensors in order. (The Numba
     kernels' map: one entry per program. The Triton kernels take ``block_begin``.)"""
-    _check_block(block)
-    nblk = (numels + block - 1) // block
-    ends = np.cumsum(nblk)
-    total = int(ends[-1]) if len(ends) else 0
+    begin, total = block_begin(numels, block)
+    nblk = np.diff(begin, append=total)
     tensor = np.repeat(np.arange(len(nblk), dtype=np.int32), nblk)
-    start = (np.arange(total, dtype=np.int64) - np.repeat(ends - nblk, nblk)) * block
+    start = (np.arange(total, dtype=np.int64) - np.repeat(begin, nblk)) * block
     return tensor, start
 
 
@@ -617,7 +615,7 @@ class _PlanCache:
             # (_evict_orphans has just checked the key's older plans whole; its newest
             # one becomes an older one now.)
             kept = tuple(p for i, p in enumerate(self._plans.get(key, ()))
-                         if not np.array_equal(p.ids, plan.ids) and (i or not _orphaned_anywhere(p)))
+                         if not np.array_equal(p.ids, plan.ids) and (i or not _orphaned(p, ends_only=False)))
             self._plans[key] = (plan, *kept[: self.SLOTS - 1])
             self._plans.move_to_end(key)
             total = sum(map(len, self._plans.values()))
@@ -635,20 +633,11 @@ class _PlanCache:
         # (a previous step's gradients, say): a list holding that very object can never
         # be passed again, and the plan would keep the rest alive. Both ends, as both are
         # in the key: lists often start with a persistent tensor and end with new ones.
-        def orphan(p) -> bool:
-            refs = p.internal_refs
-            mult = _multiplicity(p)
-            if mult is None:
-                return (sys.getrefcount(p.tensors[0]) - 1 <= refs
-                        or sys.getrefcount(p.tensors[-1]) - 1 <= refs)
-            return (sys.getrefcount(p.tensors[0]) - 1 <= refs * int(mult[0])
-                    or sys.getrefcount(p.tensors[-1]) - 1 <= refs * int(mult[-1]))
-
         # A key's older plans (kept beside a newer one with the same ends) are checked
         # whole: their middle tensors are in no key, so one the caller dropped after
         # the newer plan came would otherwise stay alive until the key's next new plan.
         for k, slot in list(self._plans.items()):
-            live = tuple(p for i, p in enumerate(slot) if not (orphan(p) or (i and _orphaned_anywhere(p))))
+            live = tuple(p for i, p in enumerate(slot) if not _orphaned(p, ends_only=not i))
             if not live:
                 del self._plans[k]
             elif len(live) < len(slot):
@@ -685,13 +674,19 @@ def _multiplicity(plan: Plan):
     return hit
 
 
-def _orphaned_anywhere(plan: Plan) -> bool:
-    """Whether some tensor of ``plan`` is referenced by nothing but the plan (whose own
-    references to each tensor ``plan.internal_refs`` counts, per occurrence in the list;
-    ``getrefcount`` adds one for its argument). Read at every miss for each key's older
-    plans, and for a key's newest plan when the key gets a new one."""
+def _orphaned(plan: Plan, ends_only: bool) -> bool:
+    """Whether some tensor of ``plan`` (its first or last one, with ``ends_only``) is
+    referenced by nothing but the plan, whose own references to each tensor
+    ``plan.internal_refs`` counts per occurrence in the list (``getrefcount`` adds one
+    for its argument). The ends are read at every miss for every cached plan; all the
+    tensors at every miss for each key's older plans, and for a key's newest plan when
+    the key gets a new one."""
     refs = plan.internal_refs
     mult = _multiplicity(plan)
+    if ends_only:
+        ts = plan.tensors
+        return (sys.getrefcount(ts[0]) - 1 <= refs * (1 if mult is None else int(mult[0]))
+                or sys.getrefcount(ts[-1]) - 1 <= refs * (1 if mult is None else int(mult[-1])))
     if mult is None:
         return min(map(sys.getrefcount, plan.tensors)) - 1 <= refs
     have = np.fromiter(map(sys.getrefcount, plan.tensors), np.int64, len(plan.tensors)) - 1
