@@ -17,12 +17,19 @@ Timing:
   small sizes; such a call is then the second with its candidate's parameters (the first,
   untimed, before the flush), since the ops re-resolve their bound launches when the
   forced parameters change, which no steady-state call pays (:func:`time_cpu`).
-* CUDA: ``triton.testing.do_bench`` (CUDA events, L2 flushed between calls), median.
+* CUDA: ``triton.testing.do_bench`` (CUDA events, L2 flushed between calls) in
+  interleaved rounds too (:data:`CUDA_ROUNDS`; round ``r`` times every candidate in a
+  rotated order): a candidate's figure is the median of its rounds' medians. Timed one
+  after another, the first candidate (the default) of the small keys of a full run on an
+  H200 took twice the others' time (67 against 31 us; the GPU's clocks ramp up from
+  idle), and such order effects picked winners. The default's host time per call is
+  measured too (:func:`host_per_call`): where it reaches 90% of the call's median the
+  GPU waits on the host, the kernels' parameters do not show, and the default is kept.
 * The Triton interpreter (CPU tensors) and the ``torch`` backend are never tuned.
 
 A candidate replaces the launcher's default only if, in the same run, its median beats
-the default's by at least ``min_gain`` (3 %) and, on CPU, it was faster than the
-default in clearly more than half of the rounds (a sign test, see :func:`_pick`);
+the default's by at least ``min_gain`` (3 %) and it was faster than the default in
+clearly more than half of the rounds (a sign test, see :func:`_pick`);
 otherwise the default is kept (and the file says why), so noise does not install a
 config that is not clearly faster.
 
@@ -90,6 +97,13 @@ ROTATE_BYTES = 128 << 20
 #: Per-key time budget in seconds (full, quick) and rounds bounds.
 BUDGET_S = {"full": 4.0, "quick": 1.0}
 MIN_ROUNDS, MAX_ROUNDS, WARMUP_ROUNDS = 7, 60, 2
+#: CUDA: rounds per key (full, quick), and ``do_bench``'s warm-up and measuring time in
+#: ms per round. The sign test needs ``n/2 + sqrt(n)`` wins of ``n`` rounds: 8 of 9, 5 of 5.
+CUDA_ROUNDS = {"full": 9, "quick": 5}
+CUDA_ROUND_MS = {"full": (4, 12), "quick": (2, 8)}
+#: A call whose host time per call is at least this share of its median is host-bound
+#: (as ``bench`` marks rows): its kernel's launch parameters cannot be told apart.
+HOST_BOUND = 0.9
 
 
 class Work(NamedTuple):
@@ -285,24 +299,65 @@ def host_per_call(fn, sync, *, calls: int = 20, bursts: int = 3) -> float:
     return best
 
 
-def time_cuda(variants, *, quick: bool, host: bool = False) -> list[dict]:
-    """Time ``variants`` with ``triton.testing.do_bench`` (median and quartiles); with
-    ``host``, also the host's time per call (``host_s``, :func:`host_per_call`)."""
+def time_cuda(variants, *, quick: bool, host: bool = False, rounds: int = 1) -> list[dict]:
+    """Time ``variants`` (each ``(prepare, fns)``) with ``triton.testing.do_bench``
+    (median and quartiles); with ``host``, also the host's time per call (``host_s``,
+    :func:`host_per_call`). ``rounds`` > 1 times them in interleaved rounds
+    (:func:`time_rounds`, :data:`CUDA_ROUND_MS` per round), with the per-round medians
+    kept for :func:`_pick`'s sign test; 1 times each once, 25-100 ms (``bench``)."""
     import triton.testing
 
-    out = []
-    for prepare, fns in variants:
+    def warm(prepare, fns):
         prepare()
         for f in fns:  # compile this candidate's kernel before do_bench sizes its loop
             f()
         torch.cuda.synchronize()
+
+    def measure(fns, warmup, rep):
         cyc = itertools.cycle(fns)
-        q25, med, q75 = triton.testing.do_bench(lambda: next(cyc)(), warmup=10 if quick else 25,
-                                                rep=40 if quick else 100, quantiles=[0.25, 0.5, 0.75])
-        out.append({"median_s": med / 1e3, "q25_s": q25 / 1e3, "q75_s": q75 / 1e3, "min_s": q25 / 1e3,
-                    "reps": None})
-        if host:
-            out[-1]["host_s"] = host_per_call(lambda: next(cyc)(), torch.cuda.synchronize)
+        q25, med, q75 = triton.testing.do_bench(lambda: next(cyc)(), warmup=warmup, rep=rep,
+                                                quantiles=[0.25, 0.5, 0.75])
+        return q25 / 1e3, med / 1e3, q75 / 1e3
+
+    if rounds > 1:
+        warmup, rep = CUDA_ROUND_MS["quick" if quick else "full"]
+        out = time_rounds(variants, warm, lambda fns: measure(fns, warmup, rep), rounds)
+    else:
+        out = []
+        for prepare, fns in variants:
+            warm(prepare, fns)
+            q25, med, q75 = measure(fns, 10 if quick else 25, 40 if quick else 100)
+            out.append({"median_s": med, "q25_s": q25, "q75_s": q75, "min_s": q25, "reps": None})
+    if host:
+        for (prepare, fns), o in zip(variants, out):
+            prepare()
+            cyc = itertools.cycle(fns)
+            o["host_s"] = host_per_call(lambda: next(cyc)(), torch.cuda.synchronize)
+    return out
+
+
+def time_rounds(variants, warm: Callable, measure: Callable, rounds: int) -> list[dict]:
+    """Per-variant statistics of ``rounds`` interleaved rounds: ``warm(prepare, fns)`` once
+    each, then round ``r`` runs ``prepare()`` and ``measure(fns) -> (q25, median, q75)``
+    seconds for every variant, in an order rotated by ``r`` (no candidate always runs
+    first, as in :func:`time_cpu`). A variant's ``median_s``/``q25_s``/``q75_s`` are the
+    medians over its rounds; ``_times`` keeps its per-round medians in round order."""
+    for prepare, fns in variants:
+        warm(prepare, fns)
+    per: list[list[tuple]] = [[] for _ in variants]
+    n = len(variants)
+    for r in range(rounds):
+        for k in range(n):
+            i = (k + r) % n
+            prepare, fns = variants[i]
+            prepare()
+            per[i].append(measure(fns))
+    out = []
+    for rs in per:
+        meds = [m for _, m, _ in rs]
+        out.append({"median_s": statistics.median(meds), "q25_s": statistics.median(q for q, _, _ in rs),
+                    "q75_s": statistics.median(q for _, _, q in rs), "min_s": min(q for q, _, _ in rs),
+                    "reps": len(rs), "_times": meds})
     return out
 
 
@@ -322,11 +377,13 @@ def _candidates(param_specs: dict, default: dict) -> list[dict]:
 
 def _pick(cands: list[dict], default: dict, min_gain: float) -> dict:
     """The winner: the fastest median, if it beats the default's by ``min_gain`` and, when
-    per-round times exist (CPU), is faster than the default in clearly more than half of
-    the rounds (the same round ran both on the same inputs): at least ``n/2 + sqrt(n)``
-    of ``n``, two standard deviations above a coin toss. A sign test, because a thread
-    pool on a shared machine gives bimodal times (worker awake or descheduled) whose
-    quartiles overlap even when the medians are far apart."""
+    per-round times exist (CPU; CUDA in rounds), is faster than the default in clearly
+    more than half of the rounds (the same round ran both on the same inputs): at least
+    ``n/2 + sqrt(n)`` of ``n``, two standard deviations above a coin toss. A sign test,
+    because a thread pool on a shared machine gives bimodal times (worker awake or
+    descheduled) whose quartiles overlap even when the medians are far apart. The
+    default is kept, whatever the figures, when its ``host_s`` (host time per call)
+    reaches :data:`HOST_BOUND` of its median: the call then times the host."""
     d = next(c for c in cands if c["params"] == default)
     best = min(cands, key=lambda c: c["median_s"])
     gain = d["median_s"] / best["median_s"] if best["median_s"] > 0 else 1.0
@@ -334,7 +391,12 @@ def _pick(cands: list[dict], default: dict, min_gain: float) -> dict:
     if best["params"] == default:
         return {**out, "reason": "the default is the fastest"}
     why = None
-    if gain < 1 + min_gain:
+    host = d.get("host_s")
+    if host is not None and host >= HOST_BOUND * d["median_s"]:
+        why = (f"{100 * (gain - 1):.1f}% faster in median, but the default's call is host-bound "
+               f"({1e6 * host:.1f} us of host time per call of a {1e6 * d['median_s']:.1f} us median): "
+               "the launch parameters do not show")
+    elif gain < 1 + min_gain:
         why = f"only {100 * (gain - 1):.1f}% faster (< min_gain {100 * min_gain:.0f}%)"
     elif best.get("_times") and d.get("_times"):
         n = min(len(best["_times"]), len(d["_times"]))
@@ -440,7 +502,10 @@ def _tune_one(job: dict, device: torch.device, *, quick: bool, min_gain: float, 
                             f"{numel:,} el x{len(cands)}")
         try:
             if device.type == "cuda":
-                stats = time_cuda(variants, quick=quick)
+                stats = time_cuda(variants, quick=quick, rounds=CUDA_ROUNDS["quick" if quick else "full"])
+                variants[0][0]()  # the default's host time per call (cands[0] is the default)
+                cyc = itertools.cycle(work.fns)
+                stats[0]["host_s"] = host_per_call(lambda: next(cyc)(), torch.cuda.synchronize)
             else:
                 stats = time_cpu(variants, budget_s=BUDGET_S["quick" if quick else "full"], flush=flush)
         finally:
@@ -460,7 +525,8 @@ def _tune_one(job: dict, device: torch.device, *, quick: bool, min_gain: float, 
         "scale": scale, "bucket": job["bucket"], "bucket_numel": _tuning.bucket_range(bounds, job["bucket"]),
         "numel": numel, "tensors": work.n_tensors, "bytes": work.nbytes, "input_sets": len(work.fns),
         "cache_flushed": flush is not None,
-        "timer": "triton.testing.do_bench median" if device.type == "cuda"
+        "timer": (f"triton.testing.do_bench, median of {CUDA_ROUNDS['quick' if quick else 'full']} interleaved "
+                  "rounds' medians; the default's host time per call beside it") if device.type == "cuda"
         else "time.perf_counter median of interleaved rounds after warm-up"
         # (how time_cpu timed it: files tuned before the untimed call read as unflushed ones)
         + (", each timed call the second of two with its candidate's parameters (the first "

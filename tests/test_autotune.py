@@ -156,6 +156,33 @@ def _tune_one_candidate(results, op: str, **entry) -> dict:
     return json.loads(result[SLUG]["path"].read_text())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (Triton's tuning runs on the GPU)")
+def test_cuda_tuning_times_in_rounds_and_records_the_defaults_host_time(results):
+    """The CUDA path end to end on a two-candidate space: every candidate timed in
+    :data:`autotune.CUDA_ROUNDS` rounds, the default's host time per call kept beside
+    its figures, and a valid file whose winner the op then reads."""
+    space = json.loads(_tuning.SPACE_PATH.read_text())
+    space["ops"] = {"flatten": dict(space["ops"]["flatten"], sizes=[65536 * 4], quick_sizes=[65536 * 4],
+                                    dtypes=[{"src": "float32", "dst": "float32"}])}
+    space["ops"]["flatten"]["backends"] = {"triton": {"device": "cuda", "params": {
+        "block": {"values": [512, 2048], "min": 16, "pow2": True},
+        "num_warps": {"values": [4], "min": 1, "pow2": True}}}}
+    p = results / "space.json"
+    p.write_text(json.dumps(space))
+    result = autotune.tune(["flatten"], quick=True, space=p, devices=["cuda"], progress=False)
+    slug = _tuning.device_info(torch.device("cuda"))["slug"]
+    doc = json.loads(result[slug]["path"].read_text())
+    _tuning.validate_results(doc, slug=slug, current_versions=_tuning.versions("cuda"))
+    (e,) = doc["entries"].values()
+    assert e["timer"].startswith(f"triton.testing.do_bench, median of {autotune.CUDA_ROUNDS['quick']} interleaved")
+    assert [c["reps"] for c in e["candidates"]] == [autotune.CUDA_ROUNDS["quick"]] * 2
+    assert e["candidates"][0]["params"] == e["default"] and e["candidates"][0]["host_s"] > 0
+    assert "host_s" not in e["candidates"][1]
+    assert all(0 < c["q25_s"] <= c["median_s"] <= c["q75_s"] for c in e["candidates"]), e["candidates"]
+    got = _tuning.params("flatten", "triton", torch.float32, torch.float32, 65536 * 4, torch.device("cuda"))
+    assert got == e["winner"]["params"], (got, e["winner"])
+
+
 def _params_in_fresh_process(results, op: str, dst: str) -> dict:
     return _fresh_process(results, f"""
         import json, torch
@@ -833,6 +860,64 @@ def test_time_cpu_times_the_call_after_an_untimed_one_when_it_flushes():
                            ("prepare", 1), ("call", 1), ("flush",), ("call", 1),
                            ("prepare", 1), ("call", 1), ("flush",), ("call", 1),
                            ("prepare", 0), ("call", 0), ("flush",), ("call", 0)]
+
+
+def test_time_rounds_rotates_the_order_and_keeps_each_rounds_median():
+    """CUDA's rounds (``do_bench`` per candidate per round): every variant warmed once,
+    then each round in an order rotated by the round; the per-round medians feed the
+    sign test."""
+    log = []
+    variants = [(lambda i=i: log.append(("prepare", i)), [i]) for i in range(3)]
+    times = {0: [3.0, 1.0, 2.0], 1: [5.0, 4.0, 6.0], 2: [1.0, 1.0, 1.0]}
+
+    def measure(fns):
+        i = fns[0]
+        log.append(("measure", i))
+        m = times[i].pop(0)
+        return m - 0.5, m, m + 0.5
+
+    out = autotune.time_rounds(variants, lambda prepare, fns: log.append(("warm", fns[0])), measure, 3)
+    assert [x for x in log if x[0] == "warm"] == [("warm", 0), ("warm", 1), ("warm", 2)]
+    assert [x[1] for x in log if x[0] == "measure"] == [0, 1, 2, 1, 2, 0, 2, 0, 1]
+    assert log.index(("measure", 1)) == log.index(("prepare", 1)) + 1, "prepare right before its measure"
+    assert out[0] == {"median_s": 2.0, "q25_s": 1.5, "q75_s": 2.5, "min_s": 0.5, "reps": 3,
+                      "_times": [3.0, 1.0, 2.0]}
+    assert out[1]["_times"] == [5.0, 4.0, 6.0] and out[1]["median_s"] == 5.0
+
+
+def test_rounds_keep_the_default_when_only_the_first_timed_is_slower():
+    """On an H200 the first candidate timed, the default, took twice the others' time
+    (the GPU's clocks ramping up from idle) and a candidate no faster than it won. In
+    rotated rounds the slow first slot falls on every candidate in turn: the default's
+    median is the others', and the sign test keeps it."""
+    slot = []
+
+    def measure(fns):
+        slot.append(fns[0])
+        first = len(slot) % 4 == 1  # the first of the round's four
+        m = 2.0 if first else 1.0
+        return m, m, m
+
+    variants = [(lambda: None, [i]) for i in range(4)]
+    stats = autotune.time_rounds(variants, lambda p, f: None, measure, autotune.CUDA_ROUNDS["full"])
+    cands = [{"params": {"block": b}, **s} for b, s in zip((2048, 512, 1024, 4096), stats)]
+    assert cands[0]["_times"][0] == 2.0 and cands[0]["median_s"] == 1.0
+    w = autotune._pick(cands, {"block": 2048}, 0.03)
+    assert w["params"] == {"block": 2048}, w
+
+
+def test_pick_keeps_the_default_when_its_call_is_host_bound():
+    """A host-bound default (host time per call at least 90% of its median: the GPU waits
+    on the host) keeps its parameters even when a candidate looks faster in every round;
+    below the bound the sign test decides."""
+    d = {"block": 2048, "num_warps": 4}
+    fast = _cand({"block": 512, "num_warps": 4}, [30e-6] * 9)
+    slow = _cand(d, [60e-6] * 9)
+    w = autotune._pick([{**slow, "host_s": 55e-6}, fast], d, 0.03)
+    assert w["params"] == d and w["gain_vs_default"] == 1.0
+    assert "host-bound" in w["reason"] and "55.0 us of host time" in w["reason"], w["reason"]
+    w = autotune._pick([{**slow, "host_s": 20e-6}, fast], d, 0.03)
+    assert w["params"] == {"block": 512, "num_warps": 4} and w["rounds_won"] == "9/9", w
 
 
 def test_pick_needs_clearly_more_than_half_the_rounds():
