@@ -885,6 +885,47 @@ def test_time_rounds_rotates_the_order_and_keeps_each_rounds_median():
     assert out[1]["_times"] == [5.0, 4.0, 6.0] and out[1]["median_s"] == 5.0
 
 
+@pytest.mark.parametrize("rounds", [1, 3])
+def test_time_cuda_glue_with_do_bench_stubbed(monkeypatch, rounds):
+    """``time_cuda``'s own code, runnable without a GPU: ``do_bench`` and the CUDA sync
+    stubbed. Each variant is prepared and warmed (every input set called once) before
+    it is timed; ``do_bench`` gets one round's budget per round, or 25/100 ms once
+    (``bench``'s figures, with no ``_times``: the sign test needs rounds); quantiles in ms
+    come back in seconds; ``host`` adds each variant's host time per call."""
+    import triton.testing
+
+    log, calls = [], []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: log.append("sync"))
+
+    def do_bench(fn, warmup, rep, quantiles):
+        assert quantiles == [0.25, 0.5, 0.75]
+        fn()
+        log.append(("bench", warmup, rep))
+        v = float(calls[-1])
+        return [v, v + 1, v + 2]
+
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    variants = [(lambda i=i: log.append(("prepare", i)), [lambda i=i, k=k: calls.append(10 * i + k) for k in (1, 2)])
+                for i in range(2)]
+    out = autotune.time_cuda(variants, quick=False, host=True, rounds=rounds)
+    want = (autotune.CUDA_ROUND_MS["full"] if rounds > 1 else (25, 100))
+    if rounds > 1:  # all warmed first, then each round prepares and times every variant
+        assert log[:6] == [("prepare", 0), "sync", ("prepare", 1), "sync", ("prepare", 0), ("bench", *want)]
+    else:  # each warmed, then timed
+        assert log[:6] == [("prepare", 0), "sync", ("bench", *want), ("prepare", 1), "sync", ("bench", *want)]
+    # Every input set of a variant is called in its warm-up (with one round, do_bench's
+    # own first call of variant 0 comes between).
+    warmed = calls[:4] if rounds > 1 else calls[:2] + calls[3:5]
+    assert warmed == [1, 2, 11, 12], calls[:6]
+    benches = [x for x in log if isinstance(x, tuple) and x[0] == "bench"]
+    assert benches == [("bench", *want)] * (2 * rounds)
+    assert [o["reps"] for o in out] == ([rounds] * 2 if rounds > 1 else [None, None])
+    assert ("_times" in out[0]) is (rounds > 1)
+    for i, o in enumerate(out):
+        assert 10 * i + 1 <= o["median_s"] * 1e3 - 1 <= 10 * i + 2 and o["q25_s"] < o["median_s"] < o["q75_s"], o
+        assert o["host_s"] > 0
+
+
 def test_rounds_keep_the_default_when_only_the_first_timed_is_slower():
     """On an H200 the first candidate timed, the default, took twice the others' time
     (the GPU's clocks ramping up from idle) and a candidate no faster than it won. In
