@@ -142,9 +142,21 @@ def _autotune(args) -> int:
 
     try:
         ops = comma_list(args.ops, "--ops")
+        types = comma_list(args.devices, "--devices")
     except ValueError as e:
         print(f"autotune: {e}", file=sys.stderr)
         return 2
+    devices = None
+    if types is not None:
+        bad = [t for t in types if t not in ("cpu", "cuda")]
+        if bad:
+            print(f"autotune: --devices: unknown {bad}; expected some of cpu, cuda", file=sys.stderr)
+            return 2
+        devices = autotune.default_devices(types)
+        if not devices:
+            print(f"autotune: --devices: none of {types} is present here (found: "
+                  f"{', '.join(str(d) for d in autotune.default_devices())})", file=sys.stderr)
+            return 2
     bad = blank_folder_or_exit(args.results_dir)
     if bad:
         return bad
@@ -154,7 +166,7 @@ def _autotune(args) -> int:
     if bad:
         return bad
     try:
-        result = autotune.tune(ops, quick=args.quick, space=args.space, root=args.results_dir,
+        result = autotune.tune(ops, quick=args.quick, space=args.space, devices=devices, root=args.results_dir,
                                progress=not args.no_progress)
     except (_tuning.TuningFileError, ValueError) as e:
         print(f"autotune: {e}", file=sys.stderr)
@@ -175,6 +187,8 @@ def main(argv=None) -> int:
     pa.add_argument("--quick", action="store_true", help="fewer sizes and a shorter budget per key")
     pa.add_argument("--ops", default=None, help="comma-separated ops of the search space (default: all)")
     pa.add_argument("--space", default=None, help="search-space JSON (default: fastpar/tuning_space.json)")
+    pa.add_argument("--devices", default=None,
+                    help="comma-separated device types to tune, of cpu and cuda (default: every one present)")
     pa.add_argument("--results-dir", default=None,
                     help="results folder to write autotune/<device>.json in (default: $FASTPAR_RESULTS_DIR, else the "
                          "source checkout's results/, else ~/.cache/fastpar)")

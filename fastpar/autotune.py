@@ -545,6 +545,20 @@ def _space_subset(space: dict, jobs) -> dict:
     return out
 
 
+def default_devices(types=None) -> list[torch.device]:
+    """The devices :func:`tune` tunes by default: the CPU and one CUDA device per distinct
+    GPU name (a tuned file is per kind of device); ``types`` (e.g. ``["cuda"]``) keeps
+    those device types only."""
+    found = [torch.device("cpu")]
+    seen = set()
+    for i in range(torch.cuda.device_count()):
+        name = torch.cuda.get_device_name(i)
+        if name not in seen:
+            seen.add(name)
+            found.append(torch.device("cuda", i))
+    return [d for d in found if types is None or d.type in types]
+
+
 def tune(ops=None, *, quick: bool = False, space=None, devices=None, root=None, progress: bool = True) -> dict:
     """Tune every op of the search space on every device present and save the results.
 
@@ -553,7 +567,8 @@ def tune(ops=None, *, quick: bool = False, space=None, devices=None, root=None, 
         quick (bool): ``quick_sizes`` and a shorter time budget per key.
         space (path, optional): search-space file. Default: the packaged one.
         devices (list of str or torch.device, optional): default ``cpu`` plus every
-            CUDA device kind present (one device per distinct name).
+            CUDA device kind present (one device per distinct name,
+            :func:`default_devices`).
         root (path, optional): results folder. Default: :func:`fastpar._tuning.results_dir`.
         progress (bool): show a tqdm progress bar (on stderr).
 
@@ -571,15 +586,7 @@ def tune(ops=None, *, quick: bool = False, space=None, devices=None, root=None, 
             raise ValueError(f"ops: {unknown} not in the search space; expected some of {sorted(known)}")
     root = Path(root).expanduser() if root is not None else _tuning.results_dir()
     min_gain = float(space_doc.get("min_gain", 0.03))
-    if devices is None:
-        devices = [torch.device("cpu")]
-        seen = set()
-        for i in range(torch.cuda.device_count()):
-            name = torch.cuda.get_device_name(i)
-            if name not in seen:
-                seen.add(name)
-                devices.append(torch.device("cuda", i))
-    devices = [torch.device(d) for d in devices]
+    devices = default_devices() if devices is None else [torch.device(d) for d in devices]
     if not torch.cuda.is_available():
         log.info("fastpar autotune: no CUDA device; Triton (its interpreter on CPU tensors) is never tuned: "
                  "its defaults are used")

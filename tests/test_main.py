@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from fastpar import _tuning
 from fastpar.__main__ import main, writable_or_exit
@@ -37,6 +38,38 @@ def test_autotune_unknown_op_is_a_clear_error(capsys, tmp_path):
     err = capsys.readouterr().err
     assert "nonsense" in err and "flatten" in err
     assert not (tmp_path / "autotune").exists()
+
+
+@pytest.mark.parametrize("value, want", [
+    ("gpu", "--devices: unknown ['gpu']; expected some of cpu, cuda"),
+    (",", "--devices: expected a comma-separated list of names, got ','"),
+    pytest.param("cuda", "--devices: none of ['cuda'] is present here (found: cpu)",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present")),
+])
+def test_autotune_devices_refused_before_anything_is_written(capsys, tmp_path, value, want):
+    assert main(["autotune", "--devices", value, "--results-dir", str(tmp_path), "--no-progress"]) == 2
+    assert want in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def test_autotune_devices_picks_the_devices_tuned(monkeypatch, tmp_path):
+    """``--devices cpu`` tunes the CPU alone (on a lent GPU machine, ``--devices cuda``
+    leaves the host's CPU untuned); without it every device present is tuned."""
+    from fastpar import autotune
+
+    seen = []
+
+    def tune(ops, *, devices, **kw):
+        seen.append(devices)
+        return {}
+
+    monkeypatch.setattr(autotune, "tune", tune)
+    monkeypatch.setattr(autotune, "print_summary", lambda result: None)
+    assert main(["autotune", "--devices", " cpu ", "--results-dir", str(tmp_path), "--no-progress"]) == 0
+    assert main(["autotune", "--results-dir", str(tmp_path), "--no-progress"]) == 0
+    assert seen == [[torch.device("cpu")], None]
+    assert autotune.default_devices(["cpu"]) == [torch.device("cpu")]
+    assert autotune.default_devices()[0] == torch.device("cpu")
 
 
 def test_bench_unknown_workload_is_a_clear_error(capsys, tmp_path):
