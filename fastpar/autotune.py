@@ -18,11 +18,13 @@ Timing:
   untimed, before the flush), since the ops re-resolve their bound launches when the
   forced parameters change, which no steady-state call pays (:func:`time_cpu`).
 * CUDA: ``triton.testing.do_bench`` (CUDA events, L2 flushed between calls) in
-  interleaved rounds too (:data:`CUDA_ROUNDS`; round ``r`` times every candidate in a
-  rotated order): a candidate's figure is the median of its rounds' medians. Timed one
-  after another, the first candidate (the default) of the small keys of a full run on an
-  H200 took twice the others' time (67 against 31 us; the GPU's clocks ramp up from
-  idle), and such order effects picked winners. The default's host time per call is
+  interleaved rounds too (:data:`CUDA_ROUNDS`, after an untimed one; round ``r`` times
+  every candidate in a rotated order): a candidate's figure is the median of its rounds'
+  medians. Timed one after another, the default first, in a full run on an H200, the
+  float32 ``flatten`` and ``unflatten_into`` keys of the smallest bucket gave the default
+  twice the others' time (67 and 75 against 30-35 us; in ``flatten`` the next two
+  candidates took 60 us too: presumably the GPU's clocks ramping up from idle), and such
+  order and drift effects picked winners. The default's host time per call is
   measured too (:func:`host_per_call`): where it reaches 90% of the call's median the
   GPU waits on the host, the kernels' parameters do not show, and the default is kept.
 * The Triton interpreter (CPU tensors) and the ``torch`` backend are never tuned.
@@ -99,7 +101,12 @@ BUDGET_S = {"full": 4.0, "quick": 1.0}
 MIN_ROUNDS, MAX_ROUNDS, WARMUP_ROUNDS = 7, 60, 2
 #: CUDA: rounds per key (full, quick), and ``do_bench``'s warm-up and measuring time in
 #: ms per round. The sign test needs ``n/2 + sqrt(n)`` wins of ``n`` rounds: 8 of 9, 5 of 5.
+#: One more round runs first, untimed (:data:`CUDA_WARMUP_ROUNDS`).
 CUDA_ROUNDS = {"full": 9, "quick": 5}
+#: Rounds of every candidate run and discarded before the timed ones: the first
+#: ``do_bench`` of a key (on the H200, the first few) ran slow, and a timed first round
+#: would always give that slot to the default (round 0 starts with it).
+CUDA_WARMUP_ROUNDS = 1
 CUDA_ROUND_MS = {"full": (4, 12), "quick": (2, 8)}
 #: A call whose host time per call is at least this share of its median is host-bound
 #: (as ``bench`` marks rows): its kernel's launch parameters cannot be told apart.
@@ -321,7 +328,8 @@ def time_cuda(variants, *, quick: bool, host: bool = False, rounds: int = 1) -> 
 
     if rounds > 1:
         warmup, rep = CUDA_ROUND_MS["quick" if quick else "full"]
-        out = time_rounds(variants, warm, lambda fns: measure(fns, warmup, rep), rounds)
+        out = time_rounds(variants, warm, lambda fns: measure(fns, warmup, rep), rounds,
+                          warmup_rounds=CUDA_WARMUP_ROUNDS)
     else:
         out = []
         for prepare, fns in variants:
@@ -336,22 +344,26 @@ def time_cuda(variants, *, quick: bool, host: bool = False, rounds: int = 1) -> 
     return out
 
 
-def time_rounds(variants, warm: Callable, measure: Callable, rounds: int) -> list[dict]:
+def time_rounds(variants, warm: Callable, measure: Callable, rounds: int, *,
+                warmup_rounds: int = 0) -> list[dict]:
     """Per-variant statistics of ``rounds`` interleaved rounds: ``warm(prepare, fns)`` once
     each, then round ``r`` runs ``prepare()`` and ``measure(fns) -> (q25, median, q75)``
     seconds for every variant, in an order rotated by ``r`` (no candidate always runs
-    first, as in :func:`time_cpu`). A variant's ``median_s``/``q25_s``/``q75_s`` are the
-    medians over its rounds; ``_times`` keeps its per-round medians in round order."""
+    first, as in :func:`time_cpu`). ``warmup_rounds`` rounds (``r`` < 0) run first and
+    are discarded. A variant's ``median_s``/``q25_s``/``q75_s`` are the medians over its
+    timed rounds; ``_times`` keeps its per-round medians in round order."""
     for prepare, fns in variants:
         warm(prepare, fns)
     per: list[list[tuple]] = [[] for _ in variants]
     n = len(variants)
-    for r in range(rounds):
+    for r in range(-warmup_rounds, rounds):
         for k in range(n):
             i = (k + r) % n
             prepare, fns = variants[i]
             prepare()
-            per[i].append(measure(fns))
+            m = measure(fns)
+            if r >= 0:
+                per[i].append(m)
     out = []
     for rs in per:
         meds = [m for _, m, _ in rs]
@@ -526,7 +538,8 @@ def _tune_one(job: dict, device: torch.device, *, quick: bool, min_gain: float, 
         "numel": numel, "tensors": work.n_tensors, "bytes": work.nbytes, "input_sets": len(work.fns),
         "cache_flushed": flush is not None,
         "timer": (f"triton.testing.do_bench, median of {CUDA_ROUNDS['quick' if quick else 'full']} interleaved "
-                  "rounds' medians; the default's host time per call beside it") if device.type == "cuda"
+                  f"rounds' medians (after {CUDA_WARMUP_ROUNDS} untimed); the default's host time per call "
+                  "beside it") if device.type == "cuda"
         else "time.perf_counter median of interleaved rounds after warm-up"
         # (how time_cpu timed it: files tuned before the untimed call read as unflushed ones)
         + (", each timed call the second of two with its candidate's parameters (the first "

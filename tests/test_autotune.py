@@ -910,7 +910,8 @@ def test_time_cuda_glue_with_do_bench_stubbed(monkeypatch, rounds):
     out = autotune.time_cuda(variants, quick=False, host=True, rounds=rounds)
     want = (autotune.CUDA_ROUND_MS["full"] if rounds > 1 else (25, 100))
     if rounds > 1:  # all warmed first, then each round prepares and times every variant
-        assert log[:6] == [("prepare", 0), "sync", ("prepare", 1), "sync", ("prepare", 0), ("bench", *want)]
+        # (the untimed round first: r = -1, so variant 1 leads it)
+        assert log[:6] == [("prepare", 0), "sync", ("prepare", 1), "sync", ("prepare", 1), ("bench", *want)]
     else:  # each warmed, then timed
         assert log[:6] == [("prepare", 0), "sync", ("bench", *want), ("prepare", 1), "sync", ("bench", *want)]
     # Every input set of a variant is called in its warm-up (with one round, do_bench's
@@ -918,7 +919,7 @@ def test_time_cuda_glue_with_do_bench_stubbed(monkeypatch, rounds):
     warmed = calls[:4] if rounds > 1 else calls[:2] + calls[3:5]
     assert warmed == [1, 2, 11, 12], calls[:6]
     benches = [x for x in log if isinstance(x, tuple) and x[0] == "bench"]
-    assert benches == [("bench", *want)] * (2 * rounds)
+    assert benches == [("bench", *want)] * (2 * (rounds + autotune.CUDA_WARMUP_ROUNDS if rounds > 1 else 1))
     assert [o["reps"] for o in out] == ([rounds] * 2 if rounds > 1 else [None, None])
     assert ("_times" in out[0]) is (rounds > 1)
     for i, o in enumerate(out):
@@ -945,6 +946,29 @@ def test_rounds_keep_the_default_when_only_the_first_timed_is_slower():
     assert cands[0]["_times"][0] == 2.0 and cands[0]["median_s"] == 1.0
     w = autotune._pick(cands, {"block": 2048}, 0.03)
     assert w["params"] == {"block": 2048}, w
+
+
+def test_rounds_discard_the_untimed_round_where_the_first_call_of_a_key_ran_slow():
+    """On the H200 the first ``do_bench`` of a key ran slow, and round 0 starts with the
+    default: timed, that round would give every challenger a free win over the default
+    in the sign test (5 of 5 with --quick then needs only 4 of the other 4). The
+    untimed round takes the slow start."""
+    def run(warmup_rounds):
+        seen = []
+
+        def measure(fns):
+            seen.append(fns[0])
+            m = 2.0 if len(seen) == 1 else 1.0
+            return m, m, m
+
+        variants = [(lambda: None, [i]) for i in range(3)]
+        return seen, autotune.time_rounds(variants, lambda p, f: None, measure, 5, warmup_rounds=warmup_rounds)
+
+    seen, stats = run(0)
+    assert seen[0] == 0 and stats[0]["_times"][0] == 2.0  # without it, the default pays
+    seen, stats = run(1)
+    assert len(seen) == 3 * 6 and seen[:3] == [2, 0, 1]
+    assert all(s["_times"] == [1.0] * 5 and s["reps"] == 5 for s in stats), stats
 
 
 def test_pick_keeps_the_default_when_its_call_is_host_bound():
