@@ -109,7 +109,7 @@ CUDA_ROUNDS = {"full": 9, "quick": 5}
 CUDA_WARMUP_ROUNDS = 1
 CUDA_ROUND_MS = {"full": (4, 12), "quick": (2, 8)}
 #: A call whose host time per call is at least this share of its median is host-bound
-#: (as ``bench`` marks rows): its kernel's launch parameters cannot be told apart.
+#: (``bench`` marks such rows by it too): its kernel's launch parameters cannot be told apart.
 HOST_BOUND = 0.9
 
 
@@ -311,7 +311,8 @@ def time_cuda(variants, *, quick: bool, host: bool = False, rounds: int = 1) -> 
     (median and quartiles); with ``host``, also the host's time per call (``host_s``,
     :func:`host_per_call`). ``rounds`` > 1 times them in interleaved rounds
     (:func:`time_rounds`, :data:`CUDA_ROUND_MS` per round), with the per-round medians
-    kept for :func:`_pick`'s sign test; 1 times each once, 25-100 ms (``bench``)."""
+    kept for :func:`_pick`'s sign test; 1 times each once, with 25 ms of warm-up and
+    100 ms measured (10 and 40 with ``quick``; ``bench``)."""
     import triton.testing
 
     def warm(prepare, fns):
