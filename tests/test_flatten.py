@@ -472,14 +472,16 @@ class _Sub(torch.Tensor):
     pass
 
 
-@pytest.mark.parametrize("where", ["middle", "end"])
-@pytest.mark.parametrize("kind", ["duplicate", "subclass"])
+@pytest.mark.parametrize("kind, where", [("duplicate", w) for w in ("middle", "ends", "first", "last")]
+                         + [("subclass", w) for w in ("middle", "first", "last")])
 def test_plan_cache_lets_go_of_listed_twice_or_subclassed_tensors(kind, where):
     # A tensor listed twice is held twice by its plan's tuple; a subclassed one was held
     # again by the plan's memo of overriding members. Neither extra reference was
     # counted, so such a tensor never looked orphaned: a new one each step kept its
     # plan and itself alive (in the middle: SLOTS steps' worth; at an end, where each
-    # step makes a new key: up to the cache's size).
+    # step makes a new key: up to the cache's size). "first" and "last" put the twice
+    # listed tensor at one end only (and in the middle), so that each end's own count
+    # is tested: at both ends ("ends"), either end's check alone lets it go.
     import gc
     import weakref
 
@@ -491,9 +493,10 @@ def test_plan_cache_lets_go_of_listed_twice_or_subclassed_tensors(kind, where):
             mid = mid.as_subclass(_Sub)
         refs.append(weakref.ref(mid))
         if kind == "duplicate":
-            ts = [a, mid, mid, z] if where == "middle" else [mid, a, mid]
+            ts = {"middle": [a, mid, mid, z], "ends": [mid, a, mid], "first": [mid, a, mid, z],
+                  "last": [a, mid, z, mid]}[where]
         else:
-            ts = [a, mid, z] if where == "middle" else [a, z, mid]
+            ts = {"middle": [a, mid, z], "first": [mid, a, z], "last": [a, z, mid]}[where]
         assert torch.equal(fastpar.flatten(ts).as_subclass(torch.Tensor),
                            torch.cat([t.as_subclass(torch.Tensor) for t in ts]))
         del mid, ts
