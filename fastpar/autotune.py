@@ -327,21 +327,26 @@ def time_cuda(variants, *, quick: bool, host: bool = False, rounds: int = 1) -> 
                                                 quantiles=[0.25, 0.5, 0.75])
         return q25 / 1e3, med / 1e3, q75 / 1e3
 
+    def host_s(prepare, fns):
+        prepare()
+        cyc = itertools.cycle(fns)
+        return host_per_call(lambda: next(cyc)(), torch.cuda.synchronize)
+
     if rounds > 1:
         warmup, rep = CUDA_ROUND_MS["quick" if quick else "full"]
         out = time_rounds(variants, warm, lambda fns: measure(fns, warmup, rep), rounds,
                           warmup_rounds=CUDA_WARMUP_ROUNDS)
-    else:
-        out = []
-        for prepare, fns in variants:
-            warm(prepare, fns)
-            q25, med, q75 = measure(fns, 10 if quick else 25, 40 if quick else 100)
-            out.append({"median_s": med, "q25_s": q25, "q75_s": q75, "min_s": q25, "reps": None})
-    if host:
-        for (prepare, fns), o in zip(variants, out):
-            prepare()
-            cyc = itertools.cycle(fns)
-            o["host_s"] = host_per_call(lambda: next(cyc)(), torch.cuda.synchronize)
+        if host:
+            for v, o in zip(variants, out):
+                o["host_s"] = host_s(*v)
+        return out
+    out = []
+    for prepare, fns in variants:
+        warm(prepare, fns)
+        q25, med, q75 = measure(fns, 10 if quick else 25, 40 if quick else 100)
+        out.append({"median_s": med, "q25_s": q25, "q75_s": q75, "min_s": q25, "reps": None})
+        if host:  # right after its do_bench, as bench has always measured it
+            out[-1]["host_s"] = host_s(prepare, fns)
     return out
 
 

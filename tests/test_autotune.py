@@ -912,11 +912,12 @@ def test_time_cuda_glue_with_do_bench_stubbed(monkeypatch, rounds):
     if rounds > 1:  # all warmed first, then each round prepares and times every variant
         # (the untimed round first: r = -1, so variant 1 leads it)
         assert log[:6] == [("prepare", 0), "sync", ("prepare", 1), "sync", ("prepare", 1), ("bench", *want)]
-    else:  # each warmed, then timed
-        assert log[:6] == [("prepare", 0), "sync", ("bench", *want), ("prepare", 1), "sync", ("bench", *want)]
+    else:  # each warmed, timed, then its host time taken (3 bursts, a sync around each), as bench always did
+        one = lambda i: [("prepare", i), "sync", ("bench", *want), ("prepare", i)] + ["sync"] * 4  # noqa: E731
+        assert log == one(0) + one(1)
     # Every input set of a variant is called in its warm-up (with one round, do_bench's
-    # own first call of variant 0 comes between).
-    warmed = calls[:4] if rounds > 1 else calls[:2] + calls[3:5]
+    # call and the host bursts' 60 calls of variant 0 come between).
+    warmed = calls[:4] if rounds > 1 else calls[:2] + calls[63:65]
     assert warmed == [1, 2, 11, 12], calls[:6]
     benches = [x for x in log if isinstance(x, tuple) and x[0] == "bench"]
     assert benches == [("bench", *want)] * (2 * (rounds + autotune.CUDA_WARMUP_ROUNDS if rounds > 1 else 1))
