@@ -23,8 +23,24 @@ def allocator_allows_peer_pointers() -> bool:
     """
     if torch.cuda.get_allocator_backend() != "native":
         return False
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    conf = ",".join((os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), os.environ.get("PYTORCH_ALLOC_CONF", ""),
+                     _runtime_allocator_settings()))
     return "expandable_segments:true" not in conf.replace(" ", "").lower()
+
+
+def _runtime_allocator_settings() -> str:
+    """The allocator settings last set, where this torch can say (else ""): expandable
+    segments may be turned on at run time (``torch._C._accelerator_setAllocatorSettings``,
+    which ``torch.cuda.memory._set_allocator_settings`` calls), which the environment
+    does not show. (Only the last string set is kept by torch: a later call setting
+    another key hides an earlier ``expandable_segments:True``.)"""
+    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if get is None:
+        return ""
+    try:
+        return str(get())
+    except RuntimeError:
+        return ""
 
 
 @functools.cache

@@ -1694,6 +1694,28 @@ def test_cuda_allocator_configs_without_raw_peer_pointers_take_the_staged_path(c
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr
 
 
+def test_expandable_segments_set_at_run_time_take_the_staged_path(monkeypatch):
+    # The environment is not the only way to turn expandable segments on: torch's
+    # run-time setter leaves PYTORCH_CUDA_ALLOC_CONF as it was. (Runs without a GPU:
+    # the allocator's backend is answered, the settings string is torch's own.)
+    from fastpar import _cuda
+
+    if not hasattr(torch._C, "_accelerator_getAllocatorSettings"):
+        pytest.skip("this torch does not report its allocator settings")
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "native")
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    before = torch._C._accelerator_getAllocatorSettings()
+    if "expandable_segments:true" in before.replace(" ", "").lower():
+        pytest.skip("expandable segments are on in this process already")
+    try:
+        torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
+        assert not _cuda.allocator_allows_peer_pointers()
+    finally:
+        torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
+    assert _cuda.allocator_allows_peer_pointers()
+
+
 def test_reduce_refuses_same_numel_different_shapes():
     # torch's reduce_add checks every input's size, not only its numel.
     with pytest.raises(ValueError, match=r"position 0: inputs\[1\]\[0\] .* shape \(4, 3\)"):
