@@ -7,9 +7,10 @@ writes each result element once.
 
 Devices may be CUDA devices (``int``, ``str`` or :class:`torch.device`) or ``"cpu"``
 entries. A list of CPU entries means replicas kept in host memory: the ops then run on
-the Numba backend, so the whole module works (and is tested) without a GPU. Duplicate
-CUDA devices are an error, as in torch; duplicate CPU entries are allowed. One call
-takes either CUDA devices or CPU entries, not both.
+the Numba backend, so the whole module works (and is tested) without a GPU. A repeated
+CUDA device is refused, where torch accepts one (its NCCL path declines and it copies
+instead): fastpar's multi-GPU paths were not written or tested for repeats. Repeated CPU
+entries are allowed. One call takes either CUDA devices or CPU entries, not both.
 
 Which path a CUDA reduction takes is logged at DEBUG level on the ``fastpar.comm`` logger
 and returned by :func:`reduce_path`:
@@ -198,8 +199,8 @@ def broadcast(tensor, devices=None, *, out=None):
             if d == tensor.device and not own_used:
                 result.append(tensor)
                 own_used = True
-            else:
-                result.append(tensor.to(d, copy=True))
+            else:  # contiguous, as torch's copies (``at::empty(sizes)``), whatever the input's strides
+                result.append(tensor.to(d, copy=True, memory_format=torch.contiguous_format))
         return tuple(result)
     outs = _out_list(out, "out")
     for i, o in enumerate(outs):

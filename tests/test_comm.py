@@ -837,6 +837,11 @@ def test_broadcast():
     t = torch.randn(3, 2)
     res = comm.broadcast(t, ["cpu", "cpu"])
     assert res[0] is t and res[1] is not t and torch.equal(res[1], t)
+    # Copies are contiguous whatever the input's strides, as torch's (at::empty(sizes));
+    # the input's own device gets the input itself.
+    tt = torch.randn(2, 3).t()
+    res = comm.broadcast(tt, ["cpu", "cpu"])
+    assert res[0] is tt and res[1].is_contiguous() and torch.equal(res[1], tt)
     out = [poison_(torch.empty(3, 2)), poison_(torch.empty(3, 2))]
     res = comm.broadcast(t, out=out)
     assert all(r is o for r, o in zip(res, out)) and all(torch.equal(o, t) for o in out)
@@ -1711,8 +1716,8 @@ def test_expandable_segments_set_at_run_time_take_the_staged_path(monkeypatch):
     try:
         torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
         assert not _cuda.allocator_allows_peer_pointers()
-    finally:
-        torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
+    finally:  # the settings as they were (torch keeps the last string set)
+        torch._C._accelerator_setAllocatorSettings(before or "expandable_segments:False")
     assert _cuda.allocator_allows_peer_pointers()
 
 
