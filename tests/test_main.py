@@ -72,6 +72,20 @@ def test_autotune_devices_picks_the_devices_tuned(monkeypatch, tmp_path):
     assert autotune.default_devices()[0] == torch.device("cpu")
 
 
+def test_autotune_default_devices_take_one_gpu_per_name(monkeypatch):
+    """A tuned file is per kind of GPU: of three GPUs, two of one name, the first of each
+    name is tuned; ``types`` keeps those device types."""
+    from fastpar import autotune
+
+    names = ["NVIDIA H100", "NVIDIA H100", "NVIDIA A100"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(names))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: names[i])
+    cuda = [torch.device("cuda", 0), torch.device("cuda", 2)]
+    assert autotune.default_devices() == [torch.device("cpu")] + cuda
+    assert autotune.default_devices(["cuda"]) == cuda
+    assert autotune.default_devices(["cpu"]) == [torch.device("cpu")]
+
+
 def test_bench_unknown_workload_is_a_clear_error(capsys, tmp_path):
     assert main(["bench", "--workloads", "resnet", "--results-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
