@@ -306,6 +306,14 @@ def host_per_call(fn, sync, *, calls: int = 20, bursts: int = 3) -> float:
     return best
 
 
+def cuda_host_per_call(prepare, fns) -> float:
+    """:func:`host_per_call` of one variant (``prepare()``, then its ``fns`` in turn) on
+    CUDA, where the bursts are synchronised with the device."""
+    prepare()
+    cyc = itertools.cycle(fns)
+    return host_per_call(lambda: next(cyc)(), torch.cuda.synchronize)
+
+
 def time_cuda(variants, *, quick: bool, host: bool = False, rounds: int = 1) -> list[dict]:
     """Time ``variants`` (each ``(prepare, fns)``) with ``triton.testing.do_bench``
     (median and quartiles); with ``host``, also the host's time per call (``host_s``,
@@ -327,18 +335,13 @@ def time_cuda(variants, *, quick: bool, host: bool = False, rounds: int = 1) -> 
                                                 quantiles=[0.25, 0.5, 0.75])
         return q25 / 1e3, med / 1e3, q75 / 1e3
 
-    def host_s(prepare, fns):
-        prepare()
-        cyc = itertools.cycle(fns)
-        return host_per_call(lambda: next(cyc)(), torch.cuda.synchronize)
-
     if rounds > 1:
         warmup, rep = CUDA_ROUND_MS["quick" if quick else "full"]
         out = time_rounds(variants, warm, lambda fns: measure(fns, warmup, rep), rounds,
                           warmup_rounds=CUDA_WARMUP_ROUNDS)
         if host:
             for v, o in zip(variants, out):
-                o["host_s"] = host_s(*v)
+                o["host_s"] = cuda_host_per_call(*v)
         return out
     out = []
     for prepare, fns in variants:
@@ -346,7 +349,7 @@ def time_cuda(variants, *, quick: bool, host: bool = False, rounds: int = 1) -> 
         q25, med, q75 = measure(fns, 10 if quick else 25, 40 if quick else 100)
         out.append({"median_s": med, "q25_s": q25, "q75_s": q75, "min_s": q25, "reps": None})
         if host:  # right after its do_bench, as bench has always measured it
-            out[-1]["host_s"] = host_s(prepare, fns)
+            out[-1]["host_s"] = cuda_host_per_call(prepare, fns)
     return out
 
 
@@ -521,9 +524,8 @@ def _tune_one(job: dict, device: torch.device, *, quick: bool, min_gain: float, 
         try:
             if device.type == "cuda":
                 stats = time_cuda(variants, quick=quick, rounds=CUDA_ROUNDS["quick" if quick else "full"])
-                variants[0][0]()  # the default's host time per call (cands[0] is the default)
-                cyc = itertools.cycle(work.fns)
-                stats[0]["host_s"] = host_per_call(lambda: next(cyc)(), torch.cuda.synchronize)
+                # The default's host time per call (cands[0] is the default).
+                stats[0]["host_s"] = cuda_host_per_call(*variants[0])
             else:
                 stats = time_cpu(variants, budget_s=BUDGET_S["quick" if quick else "full"], flush=flush)
         finally:
