@@ -120,6 +120,29 @@ def comma_list(text, flag: str):
     return items
 
 
+def device_types_or_exit(text, present, prefix: str = ""):
+    """``--devices`` read: ``(types, None)``, with ``types`` None when the flag was left
+    out; ``(None, 2)`` after printing why when it names no device type, an unknown one,
+    or only types of which ``present(types)`` (the devices the command would use) finds
+    none here. bench and autotune share it, so both refuse the same values alike."""
+    try:
+        types = comma_list(text, "--devices")
+    except ValueError as e:
+        print(f"{prefix}{e}", file=sys.stderr)
+        return None, 2
+    if types is None:
+        return None, None
+    bad = [t for t in types if t not in ("cpu", "cuda")]
+    if bad:
+        print(f"{prefix}--devices: unknown {bad}; expected some of cpu, cuda", file=sys.stderr)
+        return None, 2
+    if not present(types):
+        print(f"{prefix}--devices: none of {types} is present here (found: "
+              f"{', '.join(str(d) for d in present(None))})", file=sys.stderr)
+        return None, 2
+    return types, None
+
+
 def _quiet_triton() -> None:
     import warnings
 
@@ -142,21 +165,13 @@ def _autotune(args) -> int:
 
     try:
         ops = comma_list(args.ops, "--ops")
-        types = comma_list(args.devices, "--devices")
     except ValueError as e:
         print(f"autotune: {e}", file=sys.stderr)
         return 2
-    devices = None
-    if types is not None:
-        bad = [t for t in types if t not in ("cpu", "cuda")]
-        if bad:
-            print(f"autotune: --devices: unknown {bad}; expected some of cpu, cuda", file=sys.stderr)
-            return 2
-        devices = autotune.default_devices(types)
-        if not devices:
-            print(f"autotune: --devices: none of {types} is present here (found: "
-                  f"{', '.join(str(d) for d in autotune.default_devices())})", file=sys.stderr)
-            return 2
+    types, bad = device_types_or_exit(args.devices, autotune.default_devices, "autotune: ")
+    if bad:
+        return bad
+    devices = None if types is None else autotune.default_devices(types)
     bad = blank_folder_or_exit(args.results_dir)
     if bad:
         return bad

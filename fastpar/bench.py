@@ -613,7 +613,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args) -> int:
     sizes = args.sizes or ("quick" if args.quick else "full")
-    from .__main__ import blank_folder_or_exit, comma_list, expand_folder, writable_or_exit
+    from .__main__ import blank_folder_or_exit, comma_list, device_types_or_exit, expand_folder, writable_or_exit
 
     bad = blank_folder_or_exit(args.results_dir)
     if bad:
@@ -630,17 +630,9 @@ def main(args) -> int:
         if bad:
             print(f"--workloads: unknown {bad}; expected some of {', '.join(WORKLOADS)}", file=sys.stderr)
             return 2
-    types = None
-    if args.devices is not None:  # "" is an empty list, not "every device"
-        types = [d.strip() for d in args.devices.split(",") if d.strip()]
-        bad = [d for d in types if d not in ("cpu", "cuda")]
-        if bad or not types:
-            print(f"--devices: unknown {bad or args.devices!r}; expected some of cpu, cuda", file=sys.stderr)
-            return 2
-        if not devices(types):
-            print(f"--devices: none of {types} is present here (found: "
-                  f"{', '.join(str(d) for d in devices())})", file=sys.stderr)
-            return 2
+    types, bad = device_types_or_exit(args.devices, devices)  # "" or "," is refused, not "every device"
+    if bad:
+        return bad
     if args.results_dir:
         os.environ["FASTPAR_RESULTS_DIR"] = args.results_dir
         _tuning.reload()

@@ -122,8 +122,9 @@ def test_a_host_bound_row_is_flagged_and_explained(good_doc, monkeypatch):
     assert "host-bound" not in bench.table(rows)
 
 
-@pytest.mark.parametrize("arg, match", [("tpu", "unknown \\['tpu'\\]"), (",", "unknown ','"),
-                                        ("", "unknown ''"),  # was every device, exit 0
+@pytest.mark.parametrize("arg, match", [("tpu", "unknown \\['tpu'\\]"),
+                                        (",", "expected a comma-separated list of names, got ','"),
+                                        ("", "expected a comma-separated list of names, got ''"),  # was every device, exit 0
                                         ("cuda", "none of \\['cuda'\\] is present")])
 def test_bench_cli_rejects_bad_devices(arg, match, tmp_path, capsys):
     import argparse
