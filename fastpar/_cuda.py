@@ -49,16 +49,19 @@ def _enable_pair(dst: int, src: int) -> bool:
     peer-access cache (``at::cuda::get_p2p_access``, which calls
     ``cudaDeviceEnablePeerAccess`` once per pair and tolerates "already enabled"): a
     one-element copy in each direction between the two devices triggers it, so torch
-    and fastpar never disagree about what is enabled."""
+    and fastpar never disagree about what is enabled.
+
+    The copy's dispatch enables the pair on the host, before it queues anything
+    (``copy_kernel_cuda`` calls ``maybe_enable_p2p_access`` first), so nothing waits for
+    the copies: a device synchronize here stalled every stream of both devices, and
+    would break a CUDA graph another thread was capturing in the global mode."""
     if not torch.cuda.can_device_access_peer(dst, src):
         return False
     try:
         a = torch.zeros(1, device=f"cuda:{dst}")
         b = torch.zeros(1, device=f"cuda:{src}")
-        a.copy_(b)
-        b.copy_(a)
-        torch.cuda.synchronize(dst)
-        torch.cuda.synchronize(src)
+        a.copy_(b)  # get_p2p_access(src, dst): src may read dst's memory
+        b.copy_(a)  # get_p2p_access(dst, src): what a kernel on dst reading src needs
     except RuntimeError:
         # cudaDeviceEnablePeerAccess failed (e.g. a device past its limit of peers):
         # torch's copies still work without it, a kernel reading raw peer pointers would
