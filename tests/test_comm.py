@@ -1472,6 +1472,60 @@ def test_cuda_reduce_add_coalesced(staged, monkeypatch):
 
 
 @needs_2_gpus
+@pytest.mark.parametrize("staged", [False, True], ids=["peer", "staged"])
+def test_cuda_reduce_is_ordered_with_the_source_devices_streams(staged, monkeypatch):
+    # The reduce on cuda:0 reads cuda:1's tensor only after the work queued before the
+    # call on cuda:1's current stream (the producer), and work queued there after the
+    # call cannot overtake that read (a write, or the allocator reusing the memory).
+    # The peer path orders itself (_cuda.wait_for, _cuda.release_to); the staged one
+    # rests on its pack running on cuda:1's stream and on torch's two-way barrier
+    # around a cross-device copy. Checked by values behind long sleeps, each phase
+    # skipped if the host got there after its sleep had ended (nothing checked).
+    from fastpar import _cuda
+
+    if staged:
+        monkeypatch.setattr(_cuda, "allocator_allows_peer_pointers", lambda: False)
+    elif not torch.cuda.can_device_access_peer(0, 1):
+        pytest.skip("no peer access between cuda:0 and cuda:1")
+    n = 1 << 20
+    src0, src1 = torch.ones(n, device="cuda:0"), torch.zeros(n, device="cuda:1")
+    out = torch.empty(n, device="cuda:0")
+    comm.reduce_add_coalesced([[src0], [src1]], 0, out=[out])  # compiled, pair enabled
+    torch.cuda.synchronize(0)
+    torch.cuda.synchronize(1)
+    assert comm.reduce_path(["cuda:0", "cuda:1"], "cuda:0") == ("staged" if staged else "peer")
+
+    # The producer: cuda:1 writes 2s behind a ~0.5 s kernel; cuda:0 is idle.
+    with torch.cuda.device(1):
+        torch.cuda._sleep(int(1e9))
+        src1.fill_(2.0)
+        written = torch.cuda.Event()
+        written.record()
+    poison_(out)
+    comm.reduce_add_coalesced([[src0], [src1]], 0, out=[out])
+    if written.query():
+        pytest.skip("the host returned after cuda:1's sleep had ended: the producer's order was not checked")
+    torch.cuda.synchronize(0)
+    torch.cuda.synchronize(1)
+    assert torch.equal(out.cpu(), torch.full((n,), 3.0)), "the reduce read cuda:1's tensor before its producer wrote it"
+
+    # The overwrite: the reduce waits behind a ~0.5 s kernel on cuda:0, and cuda:1
+    # writes 100s into its source as soon as the call returns.
+    with torch.cuda.device(0):
+        torch.cuda._sleep(int(1e9))
+        slept = torch.cuda.Event()
+        slept.record()
+    poison_(out)
+    comm.reduce_add_coalesced([[src0], [src1]], 0, out=[out])
+    src1.fill_(100.0)
+    if slept.query():
+        pytest.skip("the host returned after cuda:0's sleep had ended: the overwrite's order was not checked")
+    torch.cuda.synchronize(0)
+    torch.cuda.synchronize(1)
+    assert torch.equal(out.cpu(), torch.full((n,), 3.0)), "a write queued on cuda:1 after the call overtook its read"
+
+
+@needs_2_gpus
 def test_cuda_broadcast_coalesced_matches_torch():
     ts = [rand(s, d, device="cuda:0") for s, d in MIXED_SHAPES]
     ours = comm.broadcast_coalesced(ts, [0, 1])
