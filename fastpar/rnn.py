@@ -648,8 +648,11 @@ def _weights_flat(weights, layout: RNNLayout) -> bool:
     if storage.nbytes() < layout.nbytes:
         return False
     for w, s, off in zip(weights, layout.shapes, layout.offsets):
+        # A lazily negated or conjugated weight's memory does not hold its values (cuDNN
+        # would read the bits): not flat, so flatten_parameters repacks its values.
         if (w.dtype != layout.dtype or w.device != layout.device or tuple(w.shape) != s
-                or not w.is_contiguous() or w.untyped_storage().data_ptr() != base
+                or not w.is_contiguous() or w.is_neg() or w.is_conj()
+                or w.untyped_storage().data_ptr() != base
                 or w.data_ptr() != base + off * item):
             return False
     return True
@@ -661,7 +664,8 @@ def is_flat(module) -> bool:
     The test ``try_get_weight_buf`` applies: the first weight's storage, read from
     offset 0, holds at least the layout's numel, and every weight's data pointer is
     where :meth:`RNNLayout.for_module` puts it; plus every weight has its layout shape
-    and is contiguous (cuDNN reads them as dense matrices). Shape or dtype mismatches
+    and is contiguous (cuDNN reads them as dense matrices), with no lazy negation or
+    conjugation bit (its memory would not hold its values). Shape or dtype mismatches
     and weights on different devices make it False.
 
     Raises:
@@ -736,6 +740,12 @@ def _flatten_checked(module, names, weights, layout) -> torch.Tensor:
         with torch.no_grad():
             for w, s, off in zip(weights, layout.shapes, layout.offsets):
                 w.set_(storage, off, s, _contiguous_strides(s))
+                # The buffer holds the weight's values (a lazy negation or conjugation
+                # resolved by the pack); ``set_`` keeps the bits, which would apply it again.
+                if w.is_neg():
+                    torch._C._set_neg(w, False)
+                if w.is_conj():
+                    torch._C._set_conj(w, False)
     # ``__setattr__`` keeps ``_flat_weights`` in sync with assignments; refresh it from
     # the attributes in case it was built before one (as ``_init_flat_weights`` does).
     module._flat_weights = list(weights)

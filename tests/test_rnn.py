@@ -815,6 +815,29 @@ def test_is_flat_false_for_a_non_contiguous_weight_at_its_offset():
     assert torch.equal(RNNLayout.for_module(m).views(buf)[1], expected)
 
 
+def test_flatten_parameters_keeps_the_values_of_a_lazily_negated_weight():
+    # z.conj().imag is a real tensor with the neg bit: its memory holds -values. The pack
+    # resolves it, and set_ kept the bit, so the weight read negated after the call.
+    m = make("GRU", 1)
+    z = torch.randn(m.weight_hh_l0.shape, dtype=torch.complex64)
+    m.weight_hh_l0 = torch.nn.Parameter(z.conj().imag)
+    assert m.weight_hh_l0.is_neg()
+    ref = copy.deepcopy(m)
+    x = torch.randn(SEQ, BATCH, IN)
+    rnn.flatten_parameters(m)
+    assert rnn.is_flat(m) and not m.weight_hh_l0.is_neg()
+    assert torch.equal(m.weight_hh_l0, ref.weight_hh_l0)
+    torch.testing.assert_close(m(x)[0], ref(x)[0], rtol=0, atol=0)
+    # In place at its offset, but negated: cuDNN would read the bits, so not flat.
+    with torch.no_grad():
+        torch._C._set_neg(m.weight_hh_l0, True)
+    expected = m.weight_hh_l0.detach().clone()
+    assert not rnn.is_flat(m)
+    buf = rnn.flatten_parameters(m)
+    assert rnn.is_flat(m) and torch.equal(m.weight_hh_l0, expected)
+    assert torch.equal(RNNLayout.for_module(m).views(buf)[1], expected)
+
+
 class _Scale(torch.nn.Module):
     def forward(self, w):
         return 2 * w
