@@ -196,6 +196,10 @@ class RNNLayout:
             if sizes[name] < least:
                 raise ValueError(f"{name} must be an int >= {least}, got {sizes[name]}")
         input_size, hidden_size, num_layers, proj_size = sizes.values()
+        # As nn.RNNBase (which refuses a non-bool bias, so every module's is one): bool()
+        # of the string "False" or of a tensor would give a layout the caller did not ask for.
+        if not isinstance(bias, (bool, np.bool_)):
+            raise TypeError(f"bias must be a bool, got {type(bias).__name__} {bias!r}")
         if proj_size and (mode != "LSTM" or proj_size >= hidden_size):
             raise ValueError(
                 f"proj_size must be 0, or in [1, hidden_size) for LSTM; got proj_size={proj_size} "

@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from conftest import (
@@ -151,6 +152,11 @@ def test_layout_views_and_constructor_checks():
         RNNLayout.for_config("GRU", 3, 4, proj_size=2)
     with pytest.raises(ValueError, match="hidden_size must be an int >= 1"):
         RNNLayout.for_config("GRU", 3, 0)
+    # bool("False") is True: nn.RNNBase refuses a non-bool bias, and so does the layout.
+    for bad in ("False", 0, None):
+        with pytest.raises(TypeError, match=f"bias must be a bool, got {type(bad).__name__}"):
+            RNNLayout.for_config("GRU", 3, 4, bias=bad)
+    assert RNNLayout.for_config("GRU", 3, 4, bias=np.bool_(False)).bias is False
 
 
 # --- flatten_parameters: every mode, configuration and dtype ---------------------------
