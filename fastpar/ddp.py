@@ -456,7 +456,7 @@ def allreduce_hook(process_group, bucket: dist.GradBucket) -> torch.futures.Futu
     ``benchmarks/test_bench_ddp.py::test_allreduce_scale_pass``). 16- and 64-bit floats
     are scaled in float32 and float64, rounding once, as torch does (a bfloat16 NaN may
     come out with other payload bits than torch's, which itself varies them). Sparse
-    buckets and other dtypes go to ``Tensor.div_``.
+    buckets, other dtypes and non-contiguous buffers go to ``Tensor.div_``.
 
     Args:
         process_group (ProcessGroup or None): the group to average over (DDP passes
@@ -483,7 +483,9 @@ def _allreduce(process_group, bucket):
     _check_once(group, buf, buf.dtype, "allreduce_hook")
     n = group.size()
     if n > 1:
-        if buf.layout != torch.strided or buf.dtype not in FLOAT_DTYPES:
+        # The scale pass reads and writes the bucket as one run of memory: a buffer that
+        # is not one (a wrapper's bucket.set_buffer of a strided view) goes to div_ too.
+        if buf.layout != torch.strided or buf.dtype not in FLOAT_DTYPES or not buf.is_contiguous():
             buf.div_(n)
         elif _power_of_two(n):
             _launch("scale", _buckets.get(buf), buf, buf, 1.0 / n)
@@ -573,11 +575,15 @@ def _make_compress_hook(dtype: torch.dtype):
         group = _group_of(process_group, "process_group")
         buf = _buffer_of(bucket, who)
         _check_once(group, buf, dtype, who)
-        entry = _buckets.get(buf)
+        # The passes read and write the bucket as one run of memory: a buffer that is not
+        # one (a wrapper's bucket.set_buffer of a strided view) goes through a contiguous
+        # copy, written back into it after the cast back.
+        work = buf if buf.is_contiguous() else buf.contiguous()
+        entry = _buckets.get(work)
         low = entry.low.get(dtype)
         if low is None:
-            low = entry.low[dtype] = torch.empty(buf.numel(), dtype=dtype, device=buf.device)
-        _launch("flatten", entry, buf, low, 1.0 / group.size())
+            low = entry.low[dtype] = torch.empty(work.numel(), dtype=dtype, device=work.device)
+        _launch("flatten", entry, work, low, 1.0 / group.size())
         fut = dist.all_reduce(low, group=group, async_op=True).get_future()
         # The cast back may run on the backend's callback thread: it runs in this
         # thread's context, so a fastpar.use_backend(...) around backward() picks the
@@ -587,7 +593,9 @@ def _make_compress_hook(dtype: torch.dtype):
         def decompress(fut):
             # Cast back in place: returning the bucket buffer itself spares DDP a copy
             # when gradients are bucket views, and frees nothing to allocate again.
-            context.run(_launch, "unflatten_into", entry, buf, fut.value()[0], None)
+            context.run(_launch, "unflatten_into", entry, work, fut.value()[0], None)
+            if work is not buf:
+                buf.copy_(work)
             return buf
 
         return fut.then(decompress)

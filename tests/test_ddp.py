@@ -1507,6 +1507,28 @@ def test_allreduce_hook_averages_a_sparse_bucket_as_torch(fake_collectives):
     assert torch.equal(got.to_dense(), sparse.to_dense() / 2)
 
 
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("hook", ["allreduce", torch.bfloat16, torch.float16], ids=str)
+def test_hooks_on_a_strided_bucket_buffer_write_only_its_elements(fake_collectives, hook, n):
+    # A bucket buffer that is not one run of memory (a wrapper hook's bucket.set_buffer
+    # of a strided view): the passes, bound to the buffer's address and numel, wrote the
+    # first numel elements of memory from there (the view's gaps and past its end) and
+    # left the view's own elements unscaled; torch's hooks scale the view itself.
+    mine_base = torch.randn(40, generator=torch.Generator().manual_seed(n)) * 3
+    theirs_base = mine_base.clone()
+    mine, theirs = mine_base[::2], theirs_base[::2]
+    if hook == "allreduce":
+        got = fddp.allreduce_hook(_FakeGroup(n), _FakeBucket(mine)).wait()
+        exp = torch_hooks.allreduce_hook(_FakeGroup(n), _FakeBucket(theirs)).wait()
+    else:
+        got = fddp.compress_hook(hook)(_FakeGroup(n), _FakeBucket(mine)).wait()
+        exp = (theirs * (1.0 / n)).to(hook).float()
+        theirs.copy_(exp)
+    assert got is mine, "the future must hold the bucket buffer itself"
+    assert torch.equal(got, exp)
+    assert torch.equal(mine_base, theirs_base), "the hook wrote outside the bucket's elements"
+
+
 def test_compress_hooks_keep_one_buffer_per_wire_dtype(fake_collectives):
     x = torch.randn(1000, generator=torch.Generator().manual_seed(1)) * 3
     buf = x.clone()
