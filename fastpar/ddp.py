@@ -671,9 +671,16 @@ def register(ddp_model, hook, state=None) -> None:
             f"ddp_model must be a torch.nn.parallel.DistributedDataParallel, got {type(ddp_model).__name__}"
         )
     if not callable(hook) or not hasattr(hook, "_fastpar_wire"):
+        # Named with its module: torch's hooks share fastpar's names ("got allreduce_hook"
+        # read as the very hook the message asked for).
+        got = getattr(hook, "__qualname__", None)
+        if got is None:
+            got = type(hook).__name__
+        elif getattr(hook, "__module__", None):
+            got = f"{hook.__module__}.{got}"
         raise TypeError(
             "hook must be fastpar.ddp.allreduce_hook or a hook made by fastpar.ddp.compress_hook "
-            f"(bf16_compress_hook, fp16_compress_hook), got {getattr(hook, '__qualname__', type(hook).__name__)}; "
+            f"(bf16_compress_hook, fp16_compress_hook), got {got}; "
             "register other hooks with ddp_model.register_comm_hook"
         )
     if state is None:

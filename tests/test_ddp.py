@@ -796,8 +796,12 @@ def test_register_argument_errors(one_rank):
     model = DDP(Net())
     with pytest.raises(TypeError, match="ddp_model must be a torch.nn.parallel.DistributedDataParallel, got Net"):
         fddp.register(Net(), fddp.allreduce_hook)
-    with pytest.raises(TypeError, match="hook must be fastpar.ddp.allreduce_hook .* got allreduce_hook"):
+    # torch's hooks share fastpar's names: "got allreduce_hook" read as the very hook asked for.
+    with pytest.raises(TypeError, match=r"hook must be fastpar.ddp.allreduce_hook .* got "
+                                        r"torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook;"):
         fddp.register(model, torch_hooks.allreduce_hook)
+    with pytest.raises(TypeError, match=r"hook must be .* got str;"):
+        fddp.register(model, "allreduce_hook")
     with pytest.raises(TypeError, match="state must be None .* got str"):
         fddp.register(model, fddp.allreduce_hook, state="world")
 
