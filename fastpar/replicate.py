@@ -357,6 +357,16 @@ def replicate(network, devices, detach=False):
             else:
                 replica = module._replicate_for_data_parallel()
                 replica._former_parameters = OrderedDict()
+                # A class's own copy may come with the source's Parameters registered
+                # (fx's GraphModule: __copy__ rebuilds its root's): every one is set again
+                # below, where a copy that is not a Parameter would sit beside the stale
+                # entry (parameters() gave the source's, forward the copy; torch's
+                # setattr raises). Replicas hold no parameters of their own, as torch's.
+                # (A ScriptModule's is a view of its C++ module's, which C++ made.)
+                params = replica._parameters
+                if type(params) is dict and params:
+                    for key in module._parameters:
+                        params.pop(key, None)
             module_copies[j].append(replica)
 
     hooks_free = _no_registration_hooks()

@@ -1100,6 +1100,37 @@ def test_replicas_register_parameters_as_torch_does(custom_setattr, detach, flag
     assert (fp[0].weight is net.weight) == detach and (fp[0].bias is net.bias) == detach
 
 
+@pytest.mark.parametrize("detach", [False, True])
+def test_graph_module_with_a_root_parameter_replicates(detach):
+    """fx's GraphModule makes its replica by ``__copy__``, which registers the root's
+    Parameters again: each replica's entry was left beside its copy, so
+    ``replica.parameters()`` gave the source's Parameter while ``forward`` used the copy
+    (torch's replicate raises "cannot assign ... as parameter 'w'" here). Now the copy
+    replaces the entry as for any module; values and gradients are torch's."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(3, 4))
+            self.lin = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.lin(x @ self.w)
+
+    gm = torch.fx.symbolic_trace(Net())
+    assert "w" in gm._parameters
+    x = torch.randn(5, 3)
+    reps = replicate(gm, ["cpu"] * 3, detach=detach)
+    for j, r in enumerate(reps):
+        own = [n for n, _ in r.named_parameters()]
+        assert own == (["w", "lin.weight", "lin.bias"] if j == 0 and detach else []), f"replica {j}: {own}"
+        assert torch.equal(r.w, gm.w) and (r.w is gm.w) == (j == 0 and detach), f"replica {j}.w"
+        assert torch.equal(r(x), gm(x)), f"replica {j}'s output"
+    if not detach:
+        sum(r(x).sum() for r in reps).backward()
+        expected = torch.autograd.grad(gm(x).sum(), gm.w)[0] * 3
+        torch.testing.assert_close(gm.w.grad, expected, msg="w's gradient from 3 replicas")
+
+
 def test_broadcast_coalesced_marks_copies_of_inputs_without_grad_non_differentiable():
     """ReduceAddCoalesced's backward (BroadcastCoalesced, run in double backward) marks
     the copies of gradients that need none non-differentiable, as torch's Broadcast
