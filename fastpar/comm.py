@@ -955,12 +955,34 @@ def _on_stream(streams, i: int):
 
 
 def _shared_memory_format(ts) -> torch.memory_format:
-    """``channels_last`` (or ``channels_last_3d``) if every tensor is laid out so and
-    not also plainly contiguous (torch's ``suggest_memory_format``), else contiguous."""
-    for fmt, ndim in ((torch.channels_last, 4), (torch.channels_last_3d, 5)):
-        if all(t.dim() == ndim and t.is_contiguous(memory_format=fmt) and not t.is_contiguous() for t in ts):
-            return fmt
-    return torch.contiguous_format
+    """torch's gather: ``tensors[0]``'s ``suggest_memory_format()``, kept if every tensor
+    suggests it, else contiguous. A tensor suggests ``channels_last``
+    (``channels_last_3d``) when its strides are ordered as that format's, contiguous or
+    not (c10's ``is_channels_last_strides_2d``/``_3d``): channels_last tensors sliced
+    along a spatial dimension gather into a channels_last result, as torch's do."""
+    fmt = _suggest_memory_format(ts[0])
+    if fmt is not torch.contiguous_format and any(_suggest_memory_format(t) is not fmt for t in ts[1:]):
+        return torch.contiguous_format
+    return fmt
+
+
+def _suggest_memory_format(t: torch.Tensor) -> torch.memory_format:
+    """``t.suggest_memory_format()`` (c10's, whose strides test this mirrors)."""
+    order = {4: (1, 3, 2, 0), 5: (1, 4, 3, 2, 0)}.get(t.dim())
+    if order is None or t.layout != torch.strided:
+        return torch.contiguous_format
+    sizes, strides = t.shape, t.stride()
+    if strides[1] == 0:
+        return torch.contiguous_format
+    least = 0
+    for d in order:
+        if sizes[d] == 0 or strides[d] < least:
+            return torch.contiguous_format
+        # (N111 contiguous, or N11W sliced along W: ambiguous, taken as contiguous)
+        if d == 0 and least == strides[1]:
+            return torch.contiguous_format
+        least = strides[d] * sizes[d]
+    return torch.channels_last if t.dim() == 4 else torch.channels_last_3d
 
 
 def _as_int(x):

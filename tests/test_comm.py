@@ -1099,6 +1099,30 @@ def test_gather_keeps_a_shared_channels_last_layout():
     assert mixed.is_contiguous() and torch.equal(mixed, torch.cat(ts))
 
 
+def test_gather_takes_torchs_suggested_layout_of_non_contiguous_inputs():
+    """torch's gather gives its result ``tensors[0]``'s suggest_memory_format when every
+    input suggests the same one: channels_last by the order of the strides, contiguous
+    or not. channels_last inputs sliced along a spatial dimension (not channels_last-
+    contiguous) gathered into a contiguous (NCHW) result; an (N, 1, H, W) channels_last
+    input (also contiguous) kept the contiguous strides."""
+    cl = torch.randn(4, 3, 4, 10).to(memory_format=torch.channels_last)
+    parts = [cl[:2, ..., ::2], cl[2:, ..., 1::2]]
+    assert not any(p.is_contiguous() or p.is_contiguous(memory_format=torch.channels_last) for p in parts)
+    got = comm.gather(parts, 0, "cpu")
+    assert got.stride() == torch.empty(got.shape, memory_format=torch.channels_last).stride(), got.stride()
+    assert torch.equal(got, torch.cat(parts))
+    cl3 = torch.randn(2, 3, 2, 4, 6).to(memory_format=torch.channels_last_3d)[..., ::3]
+    got = comm.gather([cl3, cl3], 1, "cpu")
+    assert got.stride() == torch.empty(got.shape, memory_format=torch.channels_last_3d).stride(), got.stride()
+    assert torch.equal(got, torch.cat([cl3, cl3], 1))
+    one = [torch.randn(n, 1, 3, 4).to(memory_format=torch.channels_last) for n in (2, 3)]
+    got = comm.gather(one, 0, "cpu")
+    assert got.stride() == torch.empty(got.shape, memory_format=torch.channels_last).stride(), got.stride()
+    assert torch.equal(got, torch.cat(one))
+    mixed = comm.gather([parts[0], parts[1].contiguous()], 0, "cpu")
+    assert mixed.is_contiguous() and torch.equal(mixed, torch.cat(parts))
+
+
 def test_gather_to_minus_one_warns_as_torch():
     ts = [torch.randn(2, 3), torch.randn(1, 3)]
     with pytest.warns(FutureWarning, match="Using -1 to represent CPU tensor is deprecated"):
