@@ -217,7 +217,8 @@ def broadcast(tensor, devices=None, *, out=None):
 
 def _out_list(out, name: str) -> list:
     if not isinstance(out, (list, tuple)) or not out:
-        raise TypeError(f"{name} must be a non-empty list or tuple of tensors, got {type(out).__name__}")
+        got = f"an empty {type(out).__name__}" if isinstance(out, (list, tuple)) else type(out).__name__
+        raise TypeError(f"{name} must be a non-empty list or tuple of tensors, got {got}")
     for i, o in enumerate(out):
         _check_tensor(o, f"{name}[{i}]")
     return list(out)
@@ -882,7 +883,7 @@ def scatter(tensor, devices=None, chunk_sizes=None, dim=0, streams=None, *, out=
     size = tensor.size(dim)
     # As torch's: streams[i] (when there is one) orders the copy to the i-th device; a
     # shorter list leaves the rest on the current stream.
-    streams = None if streams is None else list(streams)
+    streams = None if streams is None else _listed(streams, "streams", "CUDA streams (or None)")
     if out is not None:
         outs = _out_list(out, "out")
         if chunk_sizes is not None:
@@ -914,7 +915,7 @@ def scatter(tensor, devices=None, chunk_sizes=None, dim=0, streams=None, *, out=
         chunks = tensor.chunk(len(devs), dim)  # fewer chunks than devices for a small dim, as torch
         devs = devs[: len(chunks)]
     else:
-        sizes = list(chunk_sizes)
+        sizes = _listed(chunk_sizes, "chunk_sizes", "ints")
         if len(sizes) != len(devs):
             raise ValueError(f"chunk_sizes must have one entry per device ({len(devs)}), got {len(sizes)}")
         ints = [_as_int(s) for s in sizes]
@@ -937,6 +938,16 @@ def scatter(tensor, devices=None, chunk_sizes=None, dim=0, streams=None, *, out=
             with _on_stream(streams, i):
                 result.append(chunk.to(d, non_blocking=d.type == "cuda"))
     return tuple(result)
+
+
+def _listed(obj, name: str, what: str) -> list:
+    """``list(obj)``; an object that cannot be iterated (an int, one stream) is refused
+    by name, where ``list`` raised "'int' object is not iterable", naming nothing."""
+    try:
+        it = iter(obj)
+    except TypeError:
+        raise TypeError(f"{name} must be an iterable of {what}, got {type(obj).__name__} {obj!r:.80}") from None
+    return list(it)
 
 
 def _check_streams(streams, devs, name: str) -> None:

@@ -726,6 +726,21 @@ def test_reduce_add_single(backend):
     assert comm.reduce_add(ts[:1]) is ts[0], "one input: returned as is, as torch"
 
 
+@pytest.mark.parametrize("call, match", [
+    (lambda t: comm.scatter(t, ["cpu", "cpu"], chunk_sizes=4), r"chunk_sizes must be an iterable of ints, got int 4"),
+    (lambda t: comm.scatter(t, ["cpu", "cpu"], chunk_sizes=torch.tensor(4)), r"chunk_sizes must be an iterable of ints, got Tensor"),
+    (lambda t: comm.scatter(t, ["cpu"], streams=0), r"streams must be an iterable of CUDA streams \(or None\), got int 0"),
+    (lambda t: comm.scatter(t, out=[]), r"out must be a non-empty list or tuple of tensors, got an empty list"),
+    (lambda t: comm.broadcast(t, out=()), r"out must be a non-empty list or tuple of tensors, got an empty tuple"),
+], ids=["chunk_sizes-int", "chunk_sizes-0dim", "streams-int", "scatter-out-empty", "broadcast-out-empty"])
+def test_scatter_and_broadcast_refusals_say_what_they_got(call, match):
+    """A chunk_sizes or streams that is not iterable was refused by ``list()``'s "'int'
+    object is not iterable", naming neither the argument nor what it takes; an empty
+    out was "got list", as if a list were wrong."""
+    with pytest.raises(TypeError, match=match):
+        call(torch.randn(4, 3))
+
+
 def test_scatter_more_streams_than_chunks():
     # A short batch leaves devices without a chunk; the extra streams are ignored.
     x = torch.randn(1, 3)
