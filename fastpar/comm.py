@@ -231,8 +231,42 @@ def _check_copy_targets(outs, name: str, srcs) -> None:
         if src.is_meta and not o.is_meta:
             raise ValueError(f"tensor is a meta tensor, with no data to copy into {name}[{i}] (on {o.device})")
         _check_copy_target(o, f"{name}[{i}]", src_requires_grad=src.requires_grad)
+        _check_quantized_copy(o, src, f"{name}[{i}]", "tensor")
         if _partially_overlap(o, src):
             raise RuntimeError(f"{name}[{i}] partly overlaps the memory of its source; it must be a separate buffer")
+
+
+def _check_quantized_copy(o: torch.Tensor, src: torch.Tensor, label: str, src_label: str) -> None:
+    """Raise where ``o.copy_(src)`` refuses for quantization, before anything is written
+    (ATen's copy_ raised after the earlier outputs or slices were written): a quantized
+    source into a tensor that is not; quantized into quantized of another dtype or
+    qscheme; into a quantized tensor, a source other than float32, or a pair not both
+    contiguous (or both channels_last)."""
+    if not (o.is_quantized or src.is_quantized):
+        return
+    if not o.is_quantized:
+        raise RuntimeError(
+            f"{src_label} is quantized ({src.dtype}) but {label} is not ({o.dtype}); copy_ does not "
+            f"dequantize: pass {src_label}.dequantize()"
+        )
+    if src.is_quantized:
+        if o.dtype != src.dtype or o.qscheme() != src.qscheme():
+            raise RuntimeError(
+                f"{label} ({o.dtype}, {o.qscheme()}) cannot take the quantized {src_label} "
+                f"({src.dtype}, {src.qscheme()}): copy_ needs one dtype and qscheme"
+            )
+        return
+    if src.dtype != torch.float32:
+        raise RuntimeError(
+            f"{label} is quantized ({o.dtype}); copy_ quantizes only float32 sources, got {src_label} of {src.dtype}"
+        )
+    cl = torch.channels_last
+    if not (o.is_contiguous() and src.is_contiguous()
+            or o.is_contiguous(memory_format=cl) and src.is_contiguous(memory_format=cl)):
+        raise RuntimeError(
+            f"{label} is quantized ({o.dtype}); copy_ quantizes {src_label} only where both are contiguous "
+            f"(or both channels_last), got strides {o.stride()} and {src.stride()}"
+        )
 
 
 _MADE_BY = {  # torch's CreationMeta of a view that autograd refuses to write in place
@@ -1068,6 +1102,7 @@ def gather(tensors, dim=0, destination=None, *, out=None):
             )
     shape = list(t0.shape)
     shape[dim] = sum(t.size(dim) for t in ts)
+    out_given = out
     if out is not None:
         if destination is not None:
             raise RuntimeError("'destination' must not be specified when 'out' is specified")
@@ -1103,6 +1138,12 @@ def gather(tensors, dim=0, destination=None, *, out=None):
             out = _alloc.empty(shape, dtype=t0.dtype, device=dst)
         else:  # as torch's gather: a layout every input shares is kept
             out = torch.empty(shape, dtype=t0.dtype, device=dst, memory_format=fmt)
+    if out.is_quantized or any(t.is_quantized for t in ts):
+        # copy_'s quantization refusals, checked before the first slice is written.
+        off, label = 0, "the result" if out_given is None else "out"
+        for i, t in enumerate(ts):
+            _check_quantized_copy(out.narrow(dim, off, t.size(dim)), t, f"{label}'s slice {i}", f"tensors[{i}]")
+            off += t.size(dim)
     # (Not when autograd would record the copies, as it records torch's: the one-launch
     # copy is invisible to it.)
     tracked = torch.is_grad_enabled() and (out.requires_grad or any(t.requires_grad for t in ts))

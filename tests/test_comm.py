@@ -2558,6 +2558,39 @@ def test_quantized_tensors_keep_their_quantizer_or_are_refused():
     assert torch.equal(out.dequantize(), torch.cat([q, q]).dequantize())
 
 
+def test_copy_refusals_for_quantized_tensors_write_nothing():
+    """copy_ refuses a quantized source into a tensor that is not, quantized into
+    quantized of another qscheme, and into a quantized tensor a source that is not
+    float32 or not laid out as it is. gather copies slice by slice and broadcast output
+    by output, so these refusals came after the earlier slices or outputs were written."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch 2.13 deprecates quantized tensors)
+        q = torch.quantize_per_tensor(torch.tensor([1.0, -0.5, 0.3]), 0.1, 0, torch.qint8)
+        qout = lambda *shape: torch.quantize_per_tensor(torch.zeros(shape), 0.1, 0, torch.qint8)
+        per_channel = torch.quantize_per_channel(torch.zeros(3), torch.full((3,), 0.1), torch.zeros(3, dtype=torch.long),
+                                                 0, torch.qint8)
+    cases = [
+        (lambda out: comm.gather([torch.ones(3), q], 0, out=out), torch.zeros(6),
+         r"tensors\[1\] is quantized \(torch.qint8\) but out's slice 1 is not"),
+        (lambda out: comm.gather([torch.ones(3), torch.ones(3, dtype=torch.float64)], 0, out=out), qout(6),
+         r"out's slice 1 is quantized \(torch.qint8\); copy_ quantizes only float32 sources, got tensors\[1\]"),
+        (lambda out: comm.gather([torch.ones(3), torch.ones(6)[::2]], 0, out=out), qout(6),
+         r"copy_ quantizes tensors\[1\] only where both are contiguous"),
+        (lambda out: comm.broadcast(q, out=[out, per_channel]), qout(3),
+         r"out\[1\] \(torch.qint8, torch.per_channel_affine\) cannot take the quantized tensor"),
+    ]
+    for call, out, match in cases:
+        before = out.int_repr().clone() if out.is_quantized else out.clone()
+        with pytest.raises(RuntimeError, match=match):
+            call(out)
+        after = out.int_repr() if out.is_quantized else out
+        assert torch.equal(after, before), f"{match}: out written before the refusal"
+    with pytest.raises(RuntimeError, match=r"tensors\[1\] is quantized \(torch.qint8\) but the result's slice 1"):
+        comm.gather([torch.ones(3), q], 0, "cpu")
+
+
 def test_reduce_add_coalesced_of_empty_lists_into_an_empty_out():
     """Empty per-device lists have nothing to sum with out=None (``()``, as torch's);
     with out=[] (one tensor per position: none) they were refused as 'inputs[0] must
