@@ -5,9 +5,11 @@ Every cache hit checks identity and data pointer, then dtype, sizes and strides:
 latter is what catches in-place metadata changes that keep the data pointer (``t_()``, a
 shrinking ``resize_()``, ``as_strided_()``, ``p.data = p.data[:n]``), which would
 otherwise make a stale plan copy the wrong elements. One Numba pass over the list's
-items does it all, about 7 ns a tensor when their metadata is in cache (35 ns when it
-is not; lists of ``PARALLEL_CHECK_MIN_TENSORS`` or more are split across the thread
-pool where a parallel region may start and no kernel holds it), reading each tensor's
+items does it all (each item's class too: ``t.__class__ = Sub`` changes nothing else,
+and decides whether a call goes to a ``__torch_function__`` override), about 7 ns a
+tensor when their metadata is in cache (35 ns when it is not; lists of
+``PARALLEL_CHECK_MIN_TENSORS`` or more are split across the thread pool where a
+parallel region may start and no kernel holds it), reading each tensor's
 ``TensorImpl`` fields (ndim, inline sizes and strides, numel, dtype, storage, storage
 offset and dispatch key set, whose conj/neg bits
 ``a.data = a.conj()`` flips in place) and its ``StorageImpl``'s data pointer and size at
@@ -466,11 +468,13 @@ def _make_numba_check():
             """Row per tensor: ndim, 5 sizes, 5 strides, numel, dtype, StorageImpl,
             storage offset, the storage's ``DataPtr`` (data pointer and the two words
             after it, its deleter and context), and the dispatch key set (conj and neg
-            bits), and the storage's size in bytes (ndim > 5: ndim -1)."""
+            bits), and the storage's size in bytes (ndim > 5: ndim -1), and the
+            object's class (``ob_type``: ``t.__class__ = Sub`` changes nothing else)."""
             items = _list_items(list_addr, n, proto)
-            out = np.zeros((n, 20), dtype=np.int64)
+            out = np.zeros((n, 21), dtype=np.int64)
             for i in range(n):
                 obj = numba.carray(address_as_pointer(items[i], proto), (impl_word + 1,))
+                out[i, 20] = obj[1]
                 w = numba.carray(address_as_pointer(obj[impl_word], proto), (top,))
                 nd = w[k]
                 if nd > 5:
@@ -500,11 +504,13 @@ def _make_numba_check():
             # arguments, made the loop three times slower.)
             for i in range(lo, hi):
                 # The very object the plan validated (and still references), still with
-                # the TensorImpl it had then (torch.utils.swap_tensors replaces it).
+                # the TensorImpl it had then (torch.utils.swap_tensors replaces it) and
+                # of the class it had then (``__class__`` assignment: whether the call
+                # goes to a ``__torch_function__`` override is decided per plan).
                 if items[i] != ids[i]:
                     return False
                 obj = numba.carray(address_as_pointer(items[i], proto), (impl_word + 1,))
-                if obj[impl_word] != impls[i]:
+                if obj[impl_word] != impls[i] or obj[1] != meta[i, 20]:
                     return False
                 w = numba.carray(address_as_pointer(impls[i], proto), (top,))
                 nd = w[k]
@@ -589,7 +595,7 @@ def _make_numba_check():
                            and list(row[6 : 6 + nd]) == strides and row[11] == numel
                            and row[13] == t.untyped_storage()._cdata and row[14] == t.storage_offset()
                            and row[15] == t.untyped_storage().data_ptr()
-                           and row[19] == t.untyped_storage().nbytes())
+                           and row[19] == t.untyped_storage().nbytes() and row[20] == id(type(t)))
                 ok &= not np.array_equal(before, after)
             ok &= c.is_conj()
             ids = np.array([id(t) for t in probe], dtype=np.int64)
@@ -597,6 +603,9 @@ def _make_numba_check():
             meta = snapshot(probe)
             ok = ok and check_meta(probe, ids, impls, meta)
             a.unsqueeze_(0)
+            ok = ok and not check_meta(probe, ids, impls, meta)
+            meta = snapshot(probe)
+            b.__class__ = _ClassProbe  # (the only change: ob_type)
             ok = ok and not check_meta(probe, ids, impls, meta)
         except Exception:
             ok = False
@@ -625,6 +634,10 @@ def _make_numba_check():
     except Exception:
         ok = False
     return check if ok else None
+
+
+class _ClassProbe(torch.Tensor):
+    """A class the calibration assigns to a probe tensor in place (``__class__ =``)."""
 
 
 _numba_check = None
@@ -694,7 +707,7 @@ def same_one(t: torch.Tensor, snap) -> bool:
 
 def same_tensors(tensors, plan) -> bool:
     """True if ``tensors`` are ``plan.tensors`` (the same objects, in order) and each still
-    has the data pointer, dtype, sizes and strides it had when the plan was built."""
+    has the class, data pointer, dtype, sizes and strides it had when the plan was built."""
     if len(tensors) != len(plan.tensors) or (plan.meta is None and plan.guard is None):
         return False
     check = _checker()

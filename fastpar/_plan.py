@@ -585,8 +585,8 @@ class _PlanCache:
         if not cache or self.size <= 0:
             return _build(check_tensor_list(tensors, name), cache=False, name=name)
         # Fast path: the very tensor objects of a cached plan (so already validated:
-        # their type, layout and device cannot change without their data pointer
-        # changing too), each still at the same address.
+        # their layout and device cannot change without their data pointer changing
+        # too), each still of the same class and at the same address.
         if isinstance(tensors, (list, tuple)) and tensors:
             key = (len(tensors), id(tensors[0]), id(tensors[-1]))
             with self._lock:

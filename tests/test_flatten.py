@@ -3322,6 +3322,29 @@ def test_flatten_plain_tensors_and_parameters_are_not_dispatched():
     assert all(type(v) is torch.Tensor for v in fastpar.unflatten(flat, ts))
 
 
+def test_plan_cache_sees_a_class_assigned_in_place(plan_check):
+    # ``t.__class__ = Sub`` changes the object's class and nothing else (TensorImpl,
+    # storage, sizes, strides, keys): the compiled re-check passed, the cached plan's
+    # "no subclass here" stood, and the call was no longer handed to the subclass's
+    # __torch_function__ (plain results, as from no override at all), where a new plan
+    # and torch's function hand it over (and so did the >5-dim path: TensorGuards
+    # checks the class).
+    ts = [rand((3,), torch.float32), rand((2, 2), torch.float32)]
+    flat = fastpar.flatten(ts)  # the plan is cached with plain tensors
+    assert type(fastpar.flatten(ts)) is torch.Tensor
+    ts[1].__class__ = _Recording
+    _Recording.seen = []
+    res = fastpar.flatten(ts)
+    assert "flatten" in _Recording.seen and type(res) is _Recording, (_Recording.seen, type(res))
+    assert type(torch._utils._flatten_dense_tensors(ts)) is _Recording
+    assert torch.equal(res.as_subclass(torch.Tensor), flat)
+    _Recording.seen = []
+    views = fastpar.unflatten(flat, ts)
+    assert "unflatten" in _Recording.seen and all(type(v) is _Recording for v in views)
+    ts[1].__class__ = torch.Tensor  # and back: plain results again
+    assert type(fastpar.flatten(ts)) is torch.Tensor
+
+
 def test_flatten_unflatten_hand_an_active_torch_function_mode_the_call_as_torch():
     # torch's _flatten_dense_tensors / _unflatten_dense_tensors go to an active
     # TorchFunctionMode for plain tensors too, as one call; fastpar's did not: the mode
