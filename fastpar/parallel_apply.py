@@ -32,7 +32,8 @@ def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
     Returns:
         list: each module's output, in order. An exception raised in any replica is
         re-raised here, naming the replica and its device, after every thread has
-        finished (no thread is left behind).
+        finished (no thread is left behind); a replica thread's ``SystemExit`` or
+        ``KeyboardInterrupt`` too (torch's then fails with a bare ``KeyError``).
 
     Each thread runs in the caller's grad mode, inference mode, autocast state and
     context variables (torch's ``parallel_apply`` carries grad mode and autocast only).
@@ -112,8 +113,18 @@ def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
         except Exception:
             with lock:
                 results[i] = ExceptionWrapper(where=_where(i, device))
+        except BaseException:
+            # (SystemExit, KeyboardInterrupt raised by a replica.) In the caller's own
+            # thread it propagates as it is; in a replica's thread it would end only that
+            # thread, quietly (SystemExit prints nothing), and the caller met a bare
+            # KeyError for the missing result (as torch's does): re-raised here instead.
+            if not threaded:
+                raise
+            with lock:
+                results[i] = ExceptionWrapper(where=_where(i, device))
 
-    if len(modules) > 1:
+    threaded = len(modules) > 1
+    if threaded:
         threads = [
             threading.Thread(target=contextvars.copy_context().run, args=(_worker, i, m, x, k, d, s),
                              name=f"fastpar-replica-{i}")
