@@ -158,7 +158,12 @@ def gather(outputs, target_device, dim=0):
         if isinstance(out, dict):
             _same_kind(outs, lambda o: isinstance(o, Mapping), "a dict")
             if not all(len(out) == len(d) for d in outs):
-                raise ValueError("All dicts must have the same number of keys")
+                i = next(i for i, d in enumerate(outs) if len(d) != len(out))
+                raise ValueError(
+                    "All dicts must have the same number of keys (torch's words): the replicas returned dicts "
+                    f"of {[len(d) for d in outs]} keys; replica 0 {sorted(map(str, out))}, "
+                    f"replica {i} {sorted(map(str, outs[i]))}"
+                )
             for i, d in enumerate(outs):
                 if d.keys() != out.keys():
                     raise ValueError(

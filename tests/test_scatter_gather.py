@@ -195,6 +195,9 @@ def test_gather_rejects_dicts_with_different_key_counts():
     a, b = torch.randn(2, 3), torch.randn(1, 3)
     with pytest.raises(ValueError, match="All dicts must have the same number of keys"):
         gather([{"a": a}, {"a": b, "extra": b}], "cpu")
+    # The counts and the replica that differs are named (torch's message names neither).
+    with pytest.raises(ValueError, match=r"dicts of \[1, 1, 2\] keys; replica 0 \['a'\], replica 2 \['a', 'extra'\]"):
+        gather([{"a": a}, {"a": b}, {"a": b, "extra": b}], "cpu")
 
 
 @pytest.mark.parametrize(
