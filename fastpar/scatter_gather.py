@@ -160,7 +160,7 @@ def gather(outputs, target_device, dim=0):
             if not all(len(out) == len(d) for d in outs):
                 i = next(i for i, d in enumerate(outs) if len(d) != len(out))
                 raise ValueError(
-                    "All dicts must have the same number of keys (torch's words): the replicas returned dicts "
+                    "All dicts must have the same number of keys: the replicas returned dicts "
                     f"of {[len(d) for d in outs]} keys; replica 0 {sorted(map(str, out))}, "
                     f"replica {i} {sorted(map(str, outs[i]))}"
                 )
