@@ -194,7 +194,10 @@ CASES: list[Case] = [
     Case("reduce_add_coalesced K=4 out=", "fp32", _reduce_add_coalesced, ("reduce_add", F32, F32),
          "torch.nn.parallel.comm's algorithm on CPU tensors, allocating its buckets and results every "
          "call (fastpar sums into reused out= tensors)"),
-    Case("replicate K=2", "fp32", _replicate, None,
+    # replicate's buffers are filled by flatten's launches with flatten's tuned parameters
+    # (pack_bytes: one buffer on the CPU with K = 2, the staging one on CUDA: the
+    # workload's numel); without its key here the row said "defaults" for a tuned call.
+    Case("replicate K=2", "fp32", _replicate, ("flatten", F32, F32),
          "torch.nn.parallel.replicate with its broadcast replayed on CPU, fresh buckets every call "
          "(fastpar refills persistent replica buffers)"),
 ]

@@ -58,9 +58,10 @@ def test_bench_cli_tiny_end_to_end(tmp_path):
     got = {(row["op"], row["workload"]) for row in doc["rows"]}
     assert got == {(c.op, w) for c in bench.CASES for w in bench.workloads("tiny")}
     # Every workload is in bucket 0, where the tuned file differs from the defaults: the
-    # fp32 flatten rows carry the same-run tuned-vs-untuned gain, the others do not.
+    # fp32 flatten rows (and replicate's, whose buffers flatten fills) carry the same-run
+    # tuned-vs-untuned gain, the others do not.
     for row in doc["rows"]:
-        tuned = row["op"] in ("flatten", "flatten out=")
+        tuned = row["op"] in ("flatten", "flatten out=", "replicate K=2")
         assert (row["tuned_gain"] is not None) == tuned, row
         if tuned:
             assert row["tuned_params"] == {"chunk": 4096, "parallel_min_bytes": 16777216}
@@ -167,6 +168,31 @@ def test_measure_times_each_provider_on_its_second_call_in_a_row():
     runs = calls[warm:]
     assert len(runs) % 2 == 0 and all(a == b for a, b in zip(runs[::2], runs[1::2])), runs
     assert len(runs) // 2 == sum(s["reps"] for s in stats.values()), (runs, stats)
+
+
+@pytest.mark.parametrize("case", bench.CASES, ids=lambda c: c.op)
+def test_each_case_looks_up_the_tuned_key_its_call_reads(case, monkeypatch):
+    # The "tuned vs untuned" column measures the untuned call only where bench's own
+    # look-up (Case.tuned, the workload's numel) finds tuned parameters. replicate had no
+    # key: its row said "defaults" while its buffers were filled with flatten's tuned
+    # parameters (chunk 4096 in the Zen 5 VM's file, for the full tiny workload).
+    ts = bench.workloads("tiny")["tiny"]("cpu")
+    n = sum(t.numel() for t in ts)
+    s = case.setup(ts)
+    s.fastpar()  # plans and buffers made: the next call is a steady-state one
+    read = []
+    real = _tuning.params
+
+    def spy(op, backend, src, dst, numel, device=None):
+        read.append((op, src, dst, numel))
+        return real(op, backend, src, dst, numel, device)
+
+    monkeypatch.setattr(_tuning, "params", spy)
+    with _tuning.forced({}):  # the bound launches resolve again, asking params
+        s.fastpar()
+    assert read, f"{case.op}: its call read no tuned parameters"
+    assert case.tuned is not None, f"{case.op}: its call reads {read[0][:3]} but bench looks up no key"
+    assert set(read) == {(*case.tuned, n)}, (case.tuned, read)
 
 
 def test_row_ratio_gain_and_ceiling_are_the_right_way_up(row):
