@@ -63,7 +63,8 @@ def _info(args) -> int:
 def writable_or_exit(folder, flag: str = "--results-dir") -> int | None:
     """Create ``folder`` and write a scratch file there before any measuring starts, so
     an unwritable results folder costs a message, not a whole run; return 2 (after
-    printing why) when it fails, else None."""
+    printing why, starting with ``flag``: what chose the folder, :func:`results_source`)
+    when it fails, else None."""
     import tempfile
 
     folder = Path(folder)
@@ -80,7 +81,7 @@ def writable_or_exit(folder, flag: str = "--results-dir") -> int | None:
         os.close(fd)
         os.unlink(name)
     except OSError as e:
-        print(f"{flag}: cannot write results to {folder} ({type(e).__name__}: {e}); pass {flag} "
+        print(f"{flag}: cannot write results to {folder} ({type(e).__name__}: {e}); pass --results-dir "
               "(or set FASTPAR_RESULTS_DIR) to a writable folder", file=sys.stderr)
         return 2
     for p in created:  # leave no empty folders behind: the run makes them again
@@ -89,6 +90,18 @@ def writable_or_exit(folder, flag: str = "--results-dir") -> int | None:
         except OSError:  # another run is writing there now: its folder, not a failure
             break
     return None
+
+
+def results_source(value) -> str:
+    """What chose the results folder, as :func:`writable_or_exit` names it: the flag when
+    ``value`` (``--results-dir``) was given, else ``FASTPAR_RESULTS_DIR`` when set, else
+    the default folder. (Every refusal said ``--results-dir`` and told a user who had
+    set only the variable to "set FASTPAR_RESULTS_DIR".)"""
+    if value is not None:
+        return "--results-dir"
+    if os.environ.get("FASTPAR_RESULTS_DIR", "").strip():
+        return "FASTPAR_RESULTS_DIR"
+    return "the default results folder"
 
 
 def blank_folder_or_exit(value, flag: str = "--results-dir") -> int | None:
@@ -177,7 +190,7 @@ def _autotune(args) -> int:
         return bad
     args.results_dir = expand_folder(args.results_dir)
     root = args.results_dir if args.results_dir is not None else _tuning.results_dir()
-    bad = writable_or_exit(_tuning.autotune_path("probe", Path(root)).parent)
+    bad = writable_or_exit(_tuning.autotune_path("probe", Path(root)).parent, results_source(args.results_dir))
     if bad:
         return bad
     try:

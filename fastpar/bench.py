@@ -616,7 +616,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args) -> int:
     sizes = args.sizes or ("quick" if args.quick else "full")
-    from .__main__ import blank_folder_or_exit, comma_list, device_types_or_exit, expand_folder, writable_or_exit
+    from .__main__ import (blank_folder_or_exit, comma_list, device_types_or_exit, expand_folder, results_source,
+                           writable_or_exit)
 
     bad = blank_folder_or_exit(args.results_dir)
     if bad:
@@ -636,10 +637,11 @@ def main(args) -> int:
     types, bad = device_types_or_exit(args.devices, devices)  # "" or "," is refused, not "every device"
     if bad:
         return bad
+    source = results_source(args.results_dir)
     if args.results_dir:
         os.environ["FASTPAR_RESULTS_DIR"] = args.results_dir
         _tuning.reload()
-    bad = writable_or_exit(Path(args.results_dir or _tuning.results_dir()) / "bench")
+    bad = writable_or_exit(Path(args.results_dir or _tuning.results_dir()) / "bench", source)
     if bad:
         return bad
     run(sizes, root=args.results_dir, note=args.note, only=only, progress=not args.no_progress,

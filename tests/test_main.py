@@ -119,6 +119,33 @@ def test_an_unwritable_results_dir_fails_before_measuring(capsys, tmp_path, monk
     assert f"--results-dir: cannot write results to {blocker}" in err and "writable folder" in err, err
 
 
+@pytest.mark.parametrize("command", ["bench", "autotune"])
+@pytest.mark.parametrize("source", ["FASTPAR_RESULTS_DIR", "the default results folder"])
+def test_an_unwritable_results_dir_names_what_chose_it(capsys, tmp_path, monkeypatch, command, source):
+    # Without --results-dir the refusal still began "--results-dir: cannot write results
+    # to ...", a flag the user had not passed, and told one who had set
+    # FASTPAR_RESULTS_DIR to "set FASTPAR_RESULTS_DIR".
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    import fastpar.autotune
+    import fastpar.bench
+
+    def must_not_run(*a, **k):
+        raise AssertionError("measured before checking the results folder")
+
+    monkeypatch.setattr(fastpar.bench, "run", must_not_run)
+    monkeypatch.setattr(fastpar.autotune, "tune", must_not_run)
+    if source == "FASTPAR_RESULTS_DIR":
+        monkeypatch.setenv("FASTPAR_RESULTS_DIR", str(blocker))
+    else:
+        monkeypatch.delenv("FASTPAR_RESULTS_DIR", raising=False)
+        monkeypatch.setattr(_tuning, "results_dir", lambda: blocker)
+    assert main([command, "--no-progress", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{source}: cannot write results to {blocker}"), err
+    assert "--results-dir" in err and "writable folder" in err, err
+
+
 def test_ctrl_c_exits_130_with_one_line(capsys, monkeypatch, tmp_path):
     import fastpar.bench
 
