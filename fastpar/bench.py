@@ -637,6 +637,16 @@ def main(args) -> int:
     types, bad = device_types_or_exit(args.devices, devices)  # "" or "," is refused, not "every device"
     if bad:
         return bad
+    for device in devices(types):
+        # A misspelt FASTPAR_BACKEND (ValueError), or one that cannot run on a device
+        # benchmarked (RuntimeError: numba on CUDA), raised from run() as a traceback:
+        # the second after the whole CPU run on a GPU machine.
+        try:
+            _dispatch.backend_for(device)
+        except (ValueError, RuntimeError) as e:
+            hint = "" if isinstance(e, ValueError) else f" (or leave {device.type} out with --devices)"
+            print(f"bench: {e}{hint}", file=sys.stderr)
+            return 2
     source = results_source(args.results_dir)
     if args.results_dir:
         os.environ["FASTPAR_RESULTS_DIR"] = args.results_dir

@@ -146,6 +146,29 @@ def test_an_unwritable_results_dir_names_what_chose_it(capsys, tmp_path, monkeyp
     assert "--results-dir" in err and "writable folder" in err, err
 
 
+@pytest.mark.parametrize("value, want", [
+    ("bogus", "bench: FASTPAR_BACKEND must be one of auto, triton, numba, torch; got 'bogus'"),
+    ("numba", "bench: backend 'numba' cannot run on cpu tensors"),
+])
+def test_bench_refuses_a_backend_it_cannot_run_before_measuring(capsys, tmp_path, monkeypatch, value, want):
+    # A misspelt FASTPAR_BACKEND raised from bench.run as a traceback (exit 1); numba on a
+    # GPU machine (simulated here: the CPU refused) only after the whole CPU run.
+    import fastpar.bench
+    from fastpar import _dispatch
+
+    def must_not_run(*a, **k):
+        raise AssertionError("measured with a backend that cannot run")
+
+    monkeypatch.setattr(fastpar.bench, "run", must_not_run)
+    monkeypatch.setenv("FASTPAR_BACKEND", value)
+    if value == "numba":
+        monkeypatch.setitem(_dispatch.RUNS_ON, "numba", {"cuda"})
+    assert main(["bench", "--results-dir", str(tmp_path), "--no-progress", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(want) and "Traceback" not in err, err
+    assert not any(tmp_path.iterdir())
+
+
 def test_ctrl_c_exits_130_with_one_line(capsys, monkeypatch, tmp_path):
     import fastpar.bench
 
