@@ -541,8 +541,12 @@ def run(sizes: str = "full", *, root=None, note: str | None = None, only=None, p
         info = _tuning.device_info(device)
         iso, stamp = _stamp()
         load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-        tuning = _tuning.status(device)
         backend = _dispatch.backend_for(device)
+        if _tuning.TUNED_BACKENDS.get(backend) == device.type:
+            tuning = _tuning.status(device)
+        else:  # FASTPAR_BACKEND=torch, or triton on the CPU (the interpreter): no file applies
+            tuning = {"path": None, "state": "untuned",
+                      "reason": f"the {backend} backend on {device.type} tensors is never tuned"}
         rows = run_device(device, sizes, only=only, progress=progress)
         doc = {
             "schema": SCHEMA, "timestamp": iso, "device": info, "versions": _tuning.versions(), "sizes": sizes,

@@ -71,6 +71,22 @@ def test_bench_cli_tiny_end_to_end(tmp_path):
     assert img.ndim == 3 and img.shape[0] > 200 and img.shape[1] > 200 and img.std() > 0
 
 
+def test_bench_on_an_untuned_backend_does_not_report_the_tuned_file(tmp_path):
+    # FASTPAR_BACKEND=torch: the header said "tuned parameters: ok (<file>)" and the JSON
+    # recorded that state, for a run whose fastpar calls never read the file.
+    _tuned_file(tmp_path)
+    env = dict(os.environ, FASTPAR_RESULTS_DIR=str(tmp_path), FASTPAR_BACKEND="torch")
+    r = subprocess.run([sys.executable, "-m", "fastpar", "bench", "--sizes", "tiny", "--no-progress",
+                        "--devices", "cpu", "--workloads", "tiny"], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, f"bench failed (rc {r.returncode}):\n{r.stdout}\n{r.stderr}"
+    assert "fastpar backend torch, tuned parameters: untuned" in r.stdout, r.stdout
+    (js,) = (tmp_path / "bench").glob("*.json")
+    doc = json.loads(js.read_text())
+    assert doc["tuning"]["state"] == "untuned" and doc["tuning"]["path"] is None, doc["tuning"]
+    assert all(row["tuned_gain"] is None for row in doc["rows"])
+
+
 @pytest.fixture(scope="module")
 def good_doc():
     row = {"op": "flatten", "workload": "tiny", "dtype": "fp32", "tensors": 3, "numel": 30, "bytes": 120,
