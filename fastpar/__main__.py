@@ -188,6 +188,12 @@ def _autotune(args) -> int:
     bad = blank_folder_or_exit(args.results_dir)
     if bad:
         return bad
+    if args.space is not None and not args.space.strip():
+        # `--space "$UNSET"` read the working folder as the space: "search space .: cannot
+        # read it as JSON (IsADirectoryError ...)", naming neither the flag nor the value.
+        print(f"autotune: --space: expected a search-space JSON file, got {args.space!r}; leave --space out "
+              "for the packaged one (fastpar/tuning_space.json)", file=sys.stderr)
+        return 2
     args.results_dir = expand_folder(args.results_dir)
     root = args.results_dir if args.results_dir is not None else _tuning.results_dir()
     bad = writable_or_exit(_tuning.autotune_path("probe", Path(root)).parent, results_source(args.results_dir))

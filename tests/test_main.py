@@ -227,6 +227,16 @@ def test_a_blank_results_dir_is_an_error(capsys, tmp_path, monkeypatch, command,
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("value", ["", " "])
+def test_a_blank_space_is_an_error_naming_the_flag(capsys, tmp_path, value):
+    # `--space "$UNSET"` was read as the working folder: "search space .: cannot read it
+    # as JSON (IsADirectoryError ...)".
+    assert main(["autotune", "--space", value, "--results-dir", str(tmp_path), "--no-progress", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert f"autotune: --space: expected a search-space JSON file, got {value!r}" in err, err
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("command", ["bench", "autotune"])
 def test_a_tilde_in_results_dir_is_the_home_folder(capsys, tmp_path, monkeypatch, command):
     # `--results-dir=~/r` reaches us unexpanded (no shell expands it after `=`): bench read
