@@ -28,7 +28,11 @@ def _info(args) -> int:
     devices = [torch.device("cpu")] + [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
     print("devices:")
     for d in devices:
-        name = torch.cuda.get_device_name(d) if d.type == "cuda" else platform.processor() or "cpu"
+        # The CPU's model name as the tuned files name it (platform.processor() is "" on
+        # most Linux systems, which printed "cpu" as the name).
+        from fastpar import _tuning
+
+        name = torch.cuda.get_device_name(d) if d.type == "cuda" else _tuning.device_info(d)["name"]
         try:
             backend = _dispatch.backend_for(d)
         except (ValueError, RuntimeError) as e:  # a bad FASTPAR_BACKEND, or one that cannot run on this

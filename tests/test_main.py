@@ -322,3 +322,17 @@ def test_help_names_no_fixed_results_folder(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert " results/bench/" not in out and " results/autotune/" not in out, out
     assert "~/.cache/fastpar" in out and "$FASTPAR_RESULTS_DIR" in out, out
+
+
+def test_info_names_the_cpu_model(capsys, monkeypatch):
+    # platform.processor() is "" on most Linux systems: info printed "cpu" as the CPU's name.
+    import platform
+
+    from fastpar.kernels.ops_triton import aot
+
+    monkeypatch.setattr(platform, "processor", lambda: "")
+    monkeypatch.setattr(aot, "compile_copy", lambda cc: "ld.global.v4.f32")
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith("  cpu ") and "backend=" in ln)
+    assert _tuning.device_info("cpu")["name"] in line, line
