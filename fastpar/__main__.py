@@ -27,11 +27,11 @@ def _info(args) -> int:
     print(f"torch {torch.__version__}  triton {triton.__version__}  numba {numba.__version__}")
     devices = [torch.device("cpu")] + [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
     print("devices:")
+    from fastpar import _tuning
+
     for d in devices:
         # The CPU's model name as the tuned files name it (platform.processor() is "" on
         # most Linux systems, which printed "cpu" as the name).
-        from fastpar import _tuning
-
         name = torch.cuda.get_device_name(d) if d.type == "cuda" else _tuning.device_info(d)["name"]
         try:
             backend = _dispatch.backend_for(d)
