@@ -656,7 +656,8 @@ def test_gather_inside_torch_compile_runs_the_kernels_eagerly():
 
     a = torch.randn(4, 3, requires_grad=True)
     out = torch.compile(step, backend="eager")(a)
-    assert_close(out, step(a))
+    # (Against a float64 reference: step(a) eagerly runs the very gather under test.)
+    assert_close(out, a.detach().double() * 2, dtype=torch.float32, what="compiled gather")
     out.sum().backward()
     assert torch.equal(a.grad, torch.full_like(a, 2.0))
     torch._dynamo.reset()
