@@ -260,7 +260,10 @@ def _edit_text(path, edit) -> None:
 
 BAD_FILES = {
     "corrupt JSON": (lambda p: open(p, "w").write('{"schema": "fastpar.autotune/1", '), "not valid JSON"),
-    "truncated": (lambda p: open(p, "w").write(open(p).read()[:200]), "not valid JSON"),
+    # (Read before the file is opened for writing: open(p, "w").write(open(p).read()[:200])
+    # truncates it first and wrote an empty file.)
+    "truncated": (lambda p: _edit_text(p, lambda t: t[:200]), "not valid JSON"),
+    "empty": (lambda p: open(p, "w").close(), "not valid JSON"),
     "not an object": (lambda p: open(p, "w").write("[1, 2]"), "expected a JSON object"),
     # Found by review: both raised from every op (UnicodeDecodeError is no OSError; json
     # reads NaN, which the digest's json.dumps(allow_nan=False) then refused).
