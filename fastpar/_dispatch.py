@@ -57,7 +57,17 @@ def request_state() -> tuple:
 def backend_for(device) -> str:
     """The backend that runs ops on ``device`` (a torch.device or a device string;
     ``FASTPAR_BACKEND`` or :func:`use_backend` override ``auto``)."""
-    return backend_for_type(torch.device(device).type)
+    try:
+        device_type = torch.device(device).type
+    except (TypeError, RuntimeError) as e:
+        # torch's own words named neither the argument nor what a device may be (for
+        # None or 1.5 a list of torch.device's overloads).
+        if isinstance(device, str):
+            raise ValueError(f"device must name a device such as 'cpu' or 'cuda:0', got {device!r} ({e})") from None
+        raise TypeError(
+            f"device must be a torch.device or a device string such as 'cpu', got {type(device).__name__} {device!r}"
+        ) from None
+    return backend_for_type(device_type)
 
 
 def backend_for_type(device_type: str) -> str:
@@ -68,9 +78,11 @@ def backend_for_type(device_type: str) -> str:
         return AUTO.get(device_type, "torch")
     allowed = RUNS_ON[name]
     if allowed is not None and device_type not in allowed:
+        # Name what asked for it: under use_backend(...), FASTPAR_BACKEND=auto changes nothing.
+        fix = ("use fastpar.use_backend('auto') (the backend was requested by fastpar.use_backend)"
+               if _override.get() is not None else "use FASTPAR_BACKEND=auto")
         raise RuntimeError(
-            f"backend {name!r} cannot run on {device_type} tensors (it runs on {', '.join(sorted(allowed))}); "
-            f"use FASTPAR_BACKEND=auto"
+            f"backend {name!r} cannot run on {device_type} tensors (it runs on {', '.join(sorted(allowed))}); {fix}"
         )
     return name
 
@@ -248,8 +260,13 @@ def kernel(op: str, device: torch.device):
 def use_backend(name: str):
     """Run the enclosed ops on backend ``name`` (``auto``, ``triton``, ``numba`` or
     ``torch``) in this thread/context, whatever ``FASTPAR_BACKEND`` says."""
+    if not isinstance(name, str):  # (a list failed with a bare "unhashable type: 'list'")
+        raise TypeError(
+            f"use_backend: name must be a backend name (a str: auto, {', '.join(BACKENDS)}), "
+            f"got {type(name).__name__} {name!r}"
+        )
     if name != "auto" and name not in BACKENDS:
-        raise ValueError(f"backend must be one of auto, {', '.join(BACKENDS)}; got {name!r}")
+        raise ValueError(f"use_backend: backend must be one of auto, {', '.join(BACKENDS)}; got {name!r}")
     token = _override.set(name)
     try:
         yield

@@ -774,6 +774,23 @@ def test_backend_selection_errors():
             fastpar.flatten([torch.empty(3, device="meta")], out=out)
 
 
+def test_backend_selection_errors_name_the_argument_and_the_fix():
+    # backend_for passed torch's error on (no argument named; for None a list of
+    # torch.device's overloads), use_backend(["numba"]) failed with a bare "unhashable
+    # type", and a backend picked by use_backend that cannot run on a device advised
+    # FASTPAR_BACKEND=auto, which the override outranks.
+    with pytest.raises(ValueError, match="device must name a device such as 'cpu' or 'cuda:0', got 'gpu'"):
+        fastpar.backend_for("gpu")
+    with pytest.raises(TypeError, match="device must be a torch.device or a device string .* got NoneType None"):
+        fastpar.backend_for(None)
+    with pytest.raises(TypeError, match=r"use_backend: name must be a backend name .* got list \['numba'\]"):
+        with fastpar.use_backend(["numba"]):
+            pass
+    with fastpar.use_backend("numba"):
+        with pytest.raises(RuntimeError, match=r"cannot run on meta tensors .*; use fastpar.use_backend\('auto'\)"):
+            fastpar.backend_for("meta")
+
+
 def test_unflatten_into_rejects_expanded_destination():
     a = poison_(torch.empty(3))
     with pytest.raises(ValueError, match=r"tensors\[1\] has internally overlapping memory"):
