@@ -406,8 +406,12 @@ _TIMING_FIELDS = ("median_s", "q25_s", "q75_s")
 def validate_results(doc, *, slug: str | None = None, current_versions: dict | None = None) -> None:
     """Validate a tuned-results document; raise :class:`TuningFileError` on the first
     problem. Checked in this order: JSON object, ``schema``, ``digest`` (hand edits),
-    structure of every entry (winners: within the packaged limits, and names the
-    launcher takes), device ``slug``, then ``versions`` (when given)."""
+    the ``device``, ``versions`` and ``updated`` fields, device ``slug``, ``versions``
+    (when given), then the structure of every entry (winners: within the packaged
+    limits, and names the launcher takes). The device and versions come before the
+    entries: the packaged limits and the launchers' parameters are this version's, so a
+    file tuned by another version is refused as that ("versions: ..."), not as a file
+    whose winners break today's limits."""
     _expect(isinstance(doc, dict), "document", type(doc).__name__, "a JSON object")
     _expect(doc.get("schema") == SCHEMA, "schema", doc.get("schema"), repr(SCHEMA))
     got = doc.get("digest")
@@ -427,6 +431,11 @@ def validate_results(doc, *, slug: str | None = None, current_versions: dict | N
     _expect(isinstance(vers, dict) and all(isinstance(vers.get(k), str) for k in ("fastpar", "torch", "triton", "numba")),
             "versions", vers, "an object with string fastpar, torch, triton and numba versions")
     _expect(isinstance(doc.get("updated"), str), "updated", doc.get("updated"), "an ISO-8601 timestamp string")
+    if slug is not None:
+        _expect(dev["slug"] == slug, "device.slug", dev["slug"], f"{slug!r} (this device)")
+    if current_versions is not None and vers != current_versions:
+        diff = ", ".join(f"{k} {vers.get(k)} (running {v})" for k, v in current_versions.items() if vers.get(k) != v)
+        raise TuningFileError(f"versions: tuned with {diff}")
     bounds = doc.get("size_buckets")
     check_bounds(bounds, "size_buckets")
     space = doc.get("space")
@@ -481,11 +490,6 @@ def validate_results(doc, *, slug: str | None = None, current_versions: dict | N
             for p in win["params"]:
                 _expect(p in accepted, f"{w}.winner.params", p,
                         f"a parameter of the {e['backend']} {e['op']} launcher ({', '.join(accepted)})")
-    if slug is not None:
-        _expect(dev["slug"] == slug, "device.slug", dev["slug"], f"{slug!r} (this device)")
-    if current_versions is not None and vers != current_versions:
-        diff = ", ".join(f"{k} {vers.get(k)} (running {v})" for k, v in current_versions.items() if vers.get(k) != v)
-        raise TuningFileError(f"versions: tuned with {diff}")
 
 
 # --------------------------------------------------------------------------- lookup

@@ -755,13 +755,21 @@ def save(entries: dict, *, device: dict, bounds: list, space: dict, run: dict, r
             text = path.read_bytes()  # kept aside byte for byte, whatever it holds
             try:
                 old = _tuning.parse_json(text.decode("utf-8"))
-                _tuning.validate_results(old, slug=device["slug"])
+                # With the versions: a file another version tuned is set aside as that
+                # (.prev), before its winners are held to this version's limits (which
+                # it may not meet: it would have been called invalid, .rejected).
+                _tuning.validate_results(old, slug=device["slug"], current_versions=current)
             except ValueError as e:  # UnicodeDecodeError and TuningFileError among them
-                aside, old = (".rejected", text), None
-                warnings.warn(f"fastpar autotune: {path} was not a valid tuned file ({e}); keeping it as "
-                              f"{path.name}.rejected and starting a new one", TuningWarning, stacklevel=3)
+                if isinstance(e, _tuning.TuningFileError) and str(e).startswith("versions:"):
+                    aside, old = (".prev", text), None
+                    log.info("fastpar autotune: %s was tuned with other versions; keeping it as %s.prev",
+                             path, path.name)
+                else:
+                    aside, old = (".rejected", text), None
+                    warnings.warn(f"fastpar autotune: {path} was not a valid tuned file ({e}); keeping it as "
+                                  f"{path.name}.rejected and starting a new one", TuningWarning, stacklevel=3)
             else:
-                if old["versions"] != current or old["size_buckets"] != bounds:
+                if old["size_buckets"] != bounds:
                     aside, old = (".prev", text), None
                     log.info("fastpar autotune: %s was tuned with other versions or size buckets; keeping it "
                              "as %s.prev", path, path.name)

@@ -469,6 +469,29 @@ def test_other_version_file_is_superseded(results):
     assert json.loads(open(path + ".prev").read())["versions"]["numba"] == "0.1"
 
 
+def test_older_versions_file_below_todays_limits_is_called_other_version(results):
+    # A file tuned with older kernels, whose winner was allowed then and is below the
+    # packaged limits now (results/autotune/cpu-intel-xeon-processor-f6m167s1-2t.json:
+    # a parallel_min_bytes of 0, kernels b3dad162...). Its entries were checked before
+    # its versions: it was reported "invalid" (a winner "expected an integer >= 4194304,
+    # got 0"), and the tuner set it aside as .rejected with a warning, not as .prev.
+    path = _save(results, {_key(0): _entry(0, 4096)})
+    _rewrite(path, lambda d: (
+        _set(d, ["versions", "kernels"], "0123abcd"),
+        _set(d, ["space", "flatten", "numba", "params", "parallel_min_bytes", "min"], 0),
+        _set(d, ["entries", _key(0), "winner", "params", "parallel_min_bytes"], 0)), redigest=True)
+    p, tw = _params_and_warnings()
+    assert p == {}
+    assert len(tw) == 1 and "tuned with kernels 0123abcd" in tw[0], tw
+    assert _tuning.status("cpu")["state"] == "foreign version"
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        _save(results, {_key(1): _entry(1, 16384)})
+    assert not [str(x.message) for x in w if issubclass(x.category, TuningWarning)]
+    assert os.path.exists(path + ".prev") and not os.path.exists(path + ".rejected")
+    assert json.loads(open(path + ".prev").read())["versions"]["kernels"] == "0123abcd"
+
+
 # ----------------------------------------------------------------------------- concurrency
 
 
