@@ -57,11 +57,15 @@ class LaunchCount:
 
 @contextlib.contextmanager
 def count_launches():
-    """Count the kernel launches made by fastpar inside the ``with`` block::
+    """Count the kernel launches made by fastpar while the ``with`` block runs::
 
         with fastpar.count_launches() as n:
             fastpar.flatten(params)
         assert n.total == 1
+
+    The counter is process-wide: launches made meanwhile by other threads count too
+    (replica threads of ``DataParallel`` and autograd's backward threads, which is what
+    a count of a step wants; another thread's unrelated work is counted as well).
     """
     from .kernels import launches
 
