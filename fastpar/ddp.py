@@ -586,8 +586,9 @@ def _make_compress_hook(dtype: torch.dtype):
         _launch("flatten", entry, work, low, 1.0 / group.size())
         fut = dist.all_reduce(low, group=group, async_op=True).get_future()
         # The cast back may run on the backend's callback thread: it runs in this
-        # thread's context, so a fastpar.use_backend(...) around backward() picks the
-        # backend of both passes, not only of the first.
+        # thread's context, so both passes take the same backend. (A use_backend(...)
+        # around backward() reaches this thread on the CPU only: autograd runs CUDA
+        # backward on its device threads, which do not inherit context variables.)
         context = contextvars.copy_context()
 
         def decompress(fut):
