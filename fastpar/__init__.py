@@ -32,6 +32,7 @@ __all__ = [
     "comm",
     "count_launches",
     "data_parallel",
+    "empty_cache",
     "flatten",
     "gather",
     "parallel_apply",
@@ -53,6 +54,29 @@ class LaunchCount:
     def __repr__(self) -> str:
         ops = ", ".join(f"{b}/{op}: {n}" for (b, op), n in sorted(self.by_op.items()))
         return f"LaunchCount(total={self.total}{', ' + ops if ops else ''})"
+
+
+def empty_cache() -> None:
+    """Release the memory fastpar keeps for reuse, as :func:`torch.cuda.empty_cache`
+    does for CUDA's caching allocator.
+
+    Drops the host result buffers kept for the results of ``flatten`` and
+    ``reduce_add_coalesced`` (up to ``FASTPAR_RESULT_CACHE_MB``, 1 GiB by default), every
+    cached plan (:func:`clear_plan_cache`, with the references it holds to tensors) and
+    the DDP hooks' per-bucket buffers (:func:`fastpar.ddp.release_buffers`, where
+    :mod:`fastpar.ddp` is in use). A buffer whose results are still alive is freed when
+    they die; the tensors themselves keep their values. ``replicate``'s per-model
+    buffers live and die with their module. Safe at any time: later calls allocate anew.
+    """
+    import sys
+
+    from ._alloc import RESULTS
+
+    RESULTS.clear()
+    clear_plan_cache()
+    ddp = sys.modules.get(f"{__name__}.ddp")
+    if ddp is not None:
+        ddp.release_buffers()
 
 
 @contextlib.contextmanager

@@ -269,6 +269,40 @@ def test_reduce_results_reuse_their_buffer_only_when_dropped():
                      tol=(4e-6, 4e-6), what=f"reused result {i}")  # 3 addends: 2 roundings
 
 
+def test_empty_cache_releases_kept_buffers_and_plans_but_not_live_results():
+    import fastpar
+    from fastpar import _plan, comm
+
+    lists = [[torch.randn(N), torch.randn(3, 5)] for _ in range(2)]
+    comm.reduce_add_coalesced(lists, "cpu")  # compiled (see above), then collected
+    gc.collect()
+    alive = comm.reduce_add_coalesced(lists, "cpu")
+    kept = [r.clone() for r in alive]
+    dropped = fastpar.flatten([torch.randn(N)])
+    del dropped
+    assert _alloc.RESULTS._bytes > 0 and _alloc.RESULTS._slots and len(_plan._CACHE) > 0
+    fastpar.empty_cache()
+    assert _alloc.RESULTS._bytes == 0 and not _alloc.RESULTS._slots, "result buffers still kept"
+    assert len(_plan._CACHE) == 0, "plans still cached"
+    for i, (r, k) in enumerate(zip(alive, kept)):
+        assert torch.equal(r, k), f"live result {i} changed"
+    # The next call allocates anew and sums right.
+    again = comm.reduce_add_coalesced(lists, "cpu")
+    assert _storage_ptr(again[0]) != _storage_ptr(alive[0])
+    for i, got in enumerate(again):
+        assert_close(got, sum(lst[i].double() for lst in lists), dtype=torch.float32, what=f"result {i} after")
+
+
+def test_empty_cache_releases_the_ddp_hooks_buffers(monkeypatch):
+    import fastpar
+    import fastpar.ddp
+
+    calls = []
+    monkeypatch.setattr(fastpar.ddp, "release_buffers", lambda: calls.append(1))
+    fastpar.empty_cache()
+    assert calls == [1]
+
+
 def test_result_cache_threads_never_share_a_live_buffer():
     import threading
 
