@@ -339,7 +339,7 @@ def _launch(op: str, entry: _Bucket, bucket_buf: torch.Tensor, flat: torch.Tenso
     35-45 us, right after the kernel's 1.5 MB had gone through the caches (1.5 us in a
     quiet loop). On Numba
     a tuned ``chunk`` is used but not ``parallel_min_bytes``: bucket passes run on every
-    core from 1 MiB (``_BUCKET_PARALLEL_MIN_BYTES``)."""
+    core from 1 MiB read and written (``_BUCKET_PARALLEL_MIN_BYTES``)."""
     key = (op, flat.data_ptr(), flat.dtype, scale, divide)
     p = entry.passes.get(key)
     stamp = _tuning.resolution_state()
@@ -451,8 +451,9 @@ def allreduce_hook(process_group, bucket: dist.GradBucket) -> torch.futures.Futu
       float32 reciprocal instead, the hook calls ``Tensor.div_`` itself.
 
     On CPU the pass reads and writes through one pointer, so its loop vectorises, and it
-    runs on every core from 1 MiB buckets up: faster than torch's ``Tensor.div_`` (the
-    hook's own division) and about as fast as ``Tensor.mul_`` (measured on 2 cores,
+    runs on every core from 1 MiB read and written (a float32 bucket of 512 KiB) up:
+    faster than torch's ``Tensor.div_`` (the hook's own division) and about as fast as
+    ``Tensor.mul_`` (measured on 2 cores,
     ``benchmarks/test_bench_ddp.py::test_allreduce_scale_pass``). 16- and 64-bit floats
     are scaled in float32 and float64, rounding once, as torch does (a bfloat16 NaN may
     come out with other payload bits than torch's, which itself varies them). Sparse
