@@ -393,7 +393,8 @@ def unflatten(flat, tensors):
     Raises:
         TypeError: ``tensors`` is not a list or tuple of dense tensors, or ``flat`` not a
             dense tensor.
-        ValueError: ``flat`` is not 1-D and contiguous, or holds another numel.
+        ValueError: ``flat`` is not 1-D and contiguous, holds another numel, or is a
+            lazily conjugated or negated view.
 
     Example::
 
