@@ -177,7 +177,8 @@ def broadcast(tensor, devices=None, *, out=None):
         tensor (Tensor): tensor to broadcast (a CUDA tensor, or a CPU tensor for CPU
             replicas).
         devices (Iterable[torch.device, str or int], optional): devices to copy to;
-            the entry equal to ``tensor``'s device gets ``tensor`` itself.
+            the first entry equal to ``tensor``'s device gets ``tensor`` itself, and a
+            repeated ``"cpu"`` entry a copy of its own (a host replica's).
         out (Sequence[Tensor], optional, keyword-only): tensors to copy into instead.
 
     .. note:: Exactly one of :attr:`devices` and :attr:`out` must be given.
