@@ -2,6 +2,7 @@
 launch per call and device (one per dtype group when the tensors mix dtypes)."""
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -419,6 +420,25 @@ def unflatten(flat, tensors):
     if overriding:
         return handle_torch_function(unflatten, overriding, flat, tensors)
     check_flat(flat, "flat", numel=plan.numel, dtype=None, device=None)
+    if torch.is_grad_enabled():
+        # torch's own views (narrow, then view), one autograd view of flat each: the
+        # outputs of split_with_sizes are views of a multi-output node, which autograd
+        # forbids writing in place with grad mode on (views[0].copy_(w * 2), or
+        # views[0].mul_(3) where flat requires grad raised), where torch's are written
+        # and backpropagated through. With grad mode off both are no-grad views alike.
+        views = torch._C._nn.unflatten_dense_tensors(flat, plan.tensors)
+        empty = plan.__dict__.get("_empty")
+        if empty is None:  # (position, offset, shape) of the empty tensors, once per plan
+            numels = plan.numels.tolist()
+            starts = [0, *itertools.accumulate(numels)]
+            empty = plan.__dict__["_empty"] = [(i, starts[i], s) for i, (n, s) in enumerate(zip(numels, plan.shapes))
+                                               if n == 0]
+        if empty:  # torch gives these new tensors; fastpar's are views of flat, as the others
+            views = list(views)
+            for i, start, shape in empty:
+                views[i] = flat.narrow(0, start, 0).view(shape)
+            views = tuple(views)
+        return views
     memo = plan.__dict__.get("_split")
     if memo is None:  # sizes and the non-1-D positions, made once per plan
         memo = plan.__dict__["_split"] = (

@@ -285,6 +285,38 @@ def test_unflatten_is_torchs_unflatten(n):
     assert torch.equal(flat.grad, expect)
 
 
+def test_unflatten_views_can_be_written_in_place_as_torchs():
+    """torch's views (narrow, then view) can be written in place with grad mode on and
+    backpropagated through; split_with_sizes' outputs could not (autograd forbids
+    in-place writes to the views of a multi-output node: "Output 0 of SplitWithSizes is
+    a view and is being modified inplace"), whether flat required grad or a value that
+    does was copied into a view of a plain buffer. Views made under no_grad are no-grad
+    views for both: written with grad mode on, both raise."""
+    ts = [torch.empty(3), torch.empty(2, 2), torch.empty(())]
+    x = torch.randn(8, requires_grad=True)
+    w = torch.ones(3, requires_grad=True)
+    grads = {}
+    for name, fn in (("torch", torch._utils._unflatten_dense_tensors), ("fastpar", fastpar.unflatten)):
+        flat = x * 2
+        views = fn(flat, ts)
+        views[0].mul_(3)  # flat requires grad
+        views[1].add_(1)
+        views[2].mul_(5)
+        flat.sum().backward()
+        buf = poison_(torch.empty(8))
+        views = fn(buf, ts)
+        views[0].copy_(w * 2)  # a value requiring grad into a plain buffer's view
+        buf[:3].sum().backward()
+        grads[name] = (x.grad, w.grad)
+        x.grad = w.grad = None
+        with torch.no_grad():
+            views = fn(x * 2, ts)
+        with pytest.raises(RuntimeError, match="created in no_grad mode"):
+            views[0].copy_(w)
+    assert_close(grads["fastpar"][0], grads["torch"][0], tol=(0, 0), what="flat's gradient")
+    assert_close(grads["fastpar"][1], grads["torch"][1], tol=(0, 0), what="w's gradient")
+
+
 def test_round_trip_bf16_scale(backend):
     ts = make(SHAPE_SETS["big"], torch.float32)
     flat = fastpar.flatten(ts, dtype=torch.bfloat16, scale=4.0)
