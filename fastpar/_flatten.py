@@ -121,9 +121,10 @@ def flatten(tensors, *, dtype=None, scale=None, out=None):
             so complex128 is refused, and so are quantized tensors, whose scale a copy
             would lose; casts and ``scale`` take the float and integer dtypes, not bool
             or complex).
-        ValueError: ``tensors`` is empty, the tensors are on several devices, or ``out``
-            has the wrong size or device, is not contiguous and 1-D, is a lazily
-            conjugated or negated view, or overlaps an input.
+        ValueError: ``tensors`` is empty, the tensors are on several devices, ``scale`` is
+            beyond float64's range, or ``out`` has the wrong size or device, is not
+            contiguous and 1-D, is a lazily conjugated or negated view, or overlaps an
+            input.
         RuntimeError: ``out`` cannot be written here (an inference tensor outside
             inference mode, or a tensor requiring grad with grad mode on).
 

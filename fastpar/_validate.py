@@ -62,7 +62,17 @@ def check_scale(scale, name: str = "scale"):
         return float(scale.item())
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"{name} must be a real number, a 0-dim real tensor or None, got {type(scale).__name__} {scale!r}")
-    return float(scale)
+    try:
+        return float(scale)
+    except OverflowError:  # (an int or Fraction beyond float64's range)
+        try:
+            text = str(scale)
+        except ValueError:  # (an int of more digits than Python converts)
+            text = "of too many digits to print"
+        raise ValueError(
+            f"{name} must be a real number within float64's range, got {type(scale).__name__} "
+            f"{text[:40]}{'...' if len(text) > 40 else ''}"
+        ) from None
 
 
 def check_flat(t, name: str, *, numel: int, dtype: torch.dtype | None, device: torch.device | None,

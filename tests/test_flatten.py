@@ -585,6 +585,8 @@ def test_version_counters_bumped_once_a_call(backend):
         ([torch.randn(2)], {"scale": "2"}, TypeError, "scale must be a real number"),
         ([torch.randn(2)], {"scale": torch.ones(1)}, TypeError, r"scale must be .* a 0-dim real tensor .* got a tensor of shape \(1,\)"),
         ([torch.randn(2)], {"scale": torch.tensor(True)}, TypeError, r"got a tensor of shape \(\) and dtype torch.bool"),
+        # (float() of an int beyond float64's range raised a bare OverflowError naming nothing.)
+        ([torch.randn(2)], {"scale": 10**400}, ValueError, r"scale must be a real number within float64's range, got int 1000"),
         ([torch.randint(0, 3, (2,))], {"scale": 2.0}, TypeError, "scale needs floating-point"),
         ([torch.randn(2)], {"dtype": torch.complex64}, TypeError, "cannot convert"),
         ([torch.randn(2, dtype=torch.complex64)], {"scale": 2.0}, TypeError,
