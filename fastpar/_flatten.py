@@ -427,7 +427,8 @@ def unflatten(flat, tensors):
         # forbids writing in place with grad mode on (views[0].copy_(w * 2), or
         # views[0].mul_(3) where flat requires grad raised), where torch's are written
         # and backpropagated through. With grad mode off both are no-grad views alike.
-        views = torch._C._nn.unflatten_dense_tensors(flat, plan.tensors)
+        with _alloc.gc_paused():  # (10,000 new tensors: see gc_paused)
+            views = torch._C._nn.unflatten_dense_tensors(flat, plan.tensors)
         empty = plan.__dict__.get("_empty")
         if empty is None:  # (position, offset, shape) of the empty tensors, once per plan
             numels = plan.numels.tolist()
