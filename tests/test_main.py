@@ -102,8 +102,9 @@ def test_an_empty_name_list_is_an_error_not_everything(capsys, tmp_path, argv):
     assert not any(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("command", ["bench", "autotune"])
-def test_an_unwritable_results_dir_fails_before_measuring(capsys, tmp_path, monkeypatch, command):
+def _blocked_results_dir(tmp_path, monkeypatch):
+    """A path no folder can be made at (a file is there), with bench's run and
+    autotune's tune made to fail if they are reached."""
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     import fastpar.autotune
@@ -114,6 +115,12 @@ def test_an_unwritable_results_dir_fails_before_measuring(capsys, tmp_path, monk
 
     monkeypatch.setattr(fastpar.bench, "run", must_not_run)
     monkeypatch.setattr(fastpar.autotune, "tune", must_not_run)
+    return blocker
+
+
+@pytest.mark.parametrize("command", ["bench", "autotune"])
+def test_an_unwritable_results_dir_fails_before_measuring(capsys, tmp_path, monkeypatch, command):
+    blocker = _blocked_results_dir(tmp_path, monkeypatch)
     assert main([command, "--results-dir", str(blocker), "--no-progress", "--quick"]) == 2
     err = capsys.readouterr().err
     assert f"--results-dir: cannot write results to {blocker}" in err and "writable folder" in err, err
@@ -125,16 +132,7 @@ def test_an_unwritable_results_dir_names_what_chose_it(capsys, tmp_path, monkeyp
     # Without --results-dir the refusal still began "--results-dir: cannot write results
     # to ...", a flag the user had not passed, and told one who had set
     # FASTPAR_RESULTS_DIR to "set FASTPAR_RESULTS_DIR".
-    blocker = tmp_path / "file"
-    blocker.write_text("not a folder")
-    import fastpar.autotune
-    import fastpar.bench
-
-    def must_not_run(*a, **k):
-        raise AssertionError("measured before checking the results folder")
-
-    monkeypatch.setattr(fastpar.bench, "run", must_not_run)
-    monkeypatch.setattr(fastpar.autotune, "tune", must_not_run)
+    blocker = _blocked_results_dir(tmp_path, monkeypatch)
     if source == "FASTPAR_RESULTS_DIR":
         monkeypatch.setenv("FASTPAR_RESULTS_DIR", str(blocker))
     else:
