@@ -123,6 +123,12 @@ class Scatter(Function):
         ctx.input_device = input.device
         streams = None
         if input.device.type == "cpu" and any(d.type == "cuda" for d in target_devices):
+            if torch._debug_has_internal_overlap(input) == 1 and not input.is_pinned():
+                # pin_memory() gives the copy the input's own strides and copy_ refuses a
+                # destination whose elements share memory: an expanded input (the
+                # gradient of out.sum() reaching Gather's backward from a CPU output,
+                # a mask made with expand()) raised there. Pinned as a dense copy.
+                input = input.contiguous()
             input = input.pin_memory()
             streams = [_background_stream(d) for d in target_devices]
         outputs = comm.scatter(input, target_devices, chunk_sizes, dim, streams)

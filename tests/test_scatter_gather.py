@@ -682,3 +682,26 @@ def test_scatter_and_gather_inside_torch_compile_cost_one_graph_break_each():
     (grad,) = torch.autograd.grad(out.sum(), x)
     assert_close(grad, 8 * x.detach() + y, what="x.grad through the compiled scatter/gather")
     assert_one_break_per_op(breaks, graphs, warned, ["scatter", "scatter_kwargs", "gather"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_expanded_cpu_tensors_scatter_to_gpus_and_cpu_gathers_backpropagate():
+    """A CPU tensor bound for GPUs is pinned first; ``pin_memory()`` gives its copy the
+    tensor's own strides and ``copy_`` refuses a destination whose elements share memory,
+    so an expanded CPU tensor raised ("more than one element of the written-to tensor
+    refers to a single memory location"). That is the gradient ``out.sum().backward()``
+    hands Gather's backward when the outputs were gathered on the CPU, so such a step
+    failed; torch's scatter copies such tensors. (Found by reading; two chunks on one GPU
+    stand for two GPUs: the path is the same.)"""
+    x = torch.randn(1, 3).expand(4, 3)
+    parts = scatter(x, [0, 0])
+    torch.cuda.synchronize()
+    assert [p.device for p in parts] == [torch.device("cuda", 0)] * 2
+    assert torch.equal(torch.cat([p.cpu() for p in parts]), x)
+    a = torch.randn(2, 3, device="cuda", requires_grad=True)
+    b = torch.randn(3, 3, device="cuda", requires_grad=True)
+    out = gather([a, b], "cpu")
+    assert out.device.type == "cpu"
+    out.sum().backward()  # Gather's backward gets ones expanded to (5, 3) (strides 0)
+    torch.cuda.synchronize()
+    assert torch.equal(a.grad.cpu(), torch.ones(2, 3)) and torch.equal(b.grad.cpu(), torch.ones(3, 3))
