@@ -595,9 +595,18 @@ def _make_compress_hook(dtype: torch.dtype):
         def decompress(fut):
             # Cast back in place: returning the bucket buffer itself spares DDP a copy
             # when gradients are bucket views, and frees nothing to allocate again.
-            context.run(_launch, "unflatten_into", entry, work, fut.value()[0], None)
+            low_now = fut.value()[0]
+            context.run(_launch, "unflatten_into", entry, work, low_now, None)
             if work is not buf:
                 buf.copy_(work)
+                if work.is_cuda:
+                    # The contiguous copy (and the low buffer of its entry, dropped with
+                    # it) was allocated on the hook's stream; a CUDA future's callback
+                    # runs on another, so their memory must not be reused before the
+                    # kernels queued here have read it (as torch's record_stream asks).
+                    stream = torch.cuda.current_stream(work.device)
+                    work.record_stream(stream)
+                    low_now.record_stream(stream)
             return buf
 
         return fut.then(decompress)
