@@ -1,9 +1,14 @@
 """torch's own algorithms, replayed on CPU tensors, as benchmark baselines.
 
-``torch.nn.parallel.comm`` refuses CPU inputs, so its steps are reproduced here exactly:
-``_take_tensors`` buckets of at most ``buffer_size`` bytes, ``_flatten_dense_tensors``
-(a ``torch.cat`` into a fresh buffer) per bucket and device, root + pairwise adds,
-``_unflatten_dense_tensors`` and a final reorder."""
+``torch.nn.parallel.comm`` refuses CPU inputs, so its steps are reproduced here exactly.
+``reduce_add_coalesced`` (Python in torch): ``_take_tensors`` buckets of at most
+``buffer_size`` bytes, ``_flatten_dense_tensors`` (a ``torch.cat`` into a fresh buffer,
+or a view of a bucket's only tensor) per bucket and device, root + pairwise adds,
+``_unflatten_dense_tensors`` and a final reorder. ``broadcast_coalesced`` (C++ in torch,
+``torch/csrc/cuda/comm.cpp``): buckets from ``torch::utils::take_tensors``, which are
+*not* ``_take_tensors``'s (see :func:`_take_tensors_cpp`), one flatten and one copy per
+other device each, unflattened views, reordered only when the buckets hold several
+types."""
 from __future__ import annotations
 
 import contextlib
@@ -28,15 +33,51 @@ def reduce_add_coalesced(inputs, buffer_size: int = BUFFER):
     return tuple(_reorder_tensors_as(output, ref_order))
 
 
+def _type_of(t):
+    """What ``torch::utils::type_id`` tells apart: backend (layout and device) and dtype."""
+    return t.layout, t.device.type, t.dtype
+
+
+def _take_tensors_cpp(tensors, size_limit: int):
+    """``torch::utils::take_tensors(tensors, size_limit)`` (``fine_grained=false``,
+    torch/csrc/utils/tensor_flatten.cpp), the bucketing of torch's C++
+    ``broadcast_coalesced``: per type, a tensor joins its type's bucket first, and the
+    bucket is spilled once it holds ``size_limit`` bytes or more (so it ends with the
+    tensor that crossed the limit); the partial buckets follow (in torch's type-id order;
+    here in first-seen order, which changes only the order of the copies). Python's
+    ``torch._utils._take_tensors`` (``comm.reduce_add_coalesced``'s) spills *before* a
+    tensor that would cross the limit, so a bucket there never exceeds it: for
+    ``nn.LSTM(1024, 1024, 4, bidirectional=True)`` it leaves every weight matrix alone in
+    its bucket (flattened as a view, no copy) where torch's broadcast copies 208 of the
+    352 MB through ``cat`` into buckets of [bias, bias, weight]."""
+    groups: dict = {}
+    for t in tensors:
+        key = _type_of(t)
+        group = groups.setdefault(key, [[], 0])
+        group[0].append(t)
+        group[1] += t.numel() * t.element_size()
+        if group[1] >= size_limit:
+            yield group[0]
+            groups[key] = [[], 0]
+    for bucket, _ in groups.values():
+        if bucket:
+            yield bucket
+
+
 def broadcast_coalesced(tensors, k: int, buffer_size: int = BUFFER):
-    """``torch.nn.parallel.comm.broadcast_coalesced``'s steps on CPU tensors: per bucket,
-    one flatten on the source and one copy per other device, unflattened into views."""
+    """``torch.nn.parallel.comm.broadcast_coalesced``'s steps on CPU tensors: per bucket
+    (:func:`_take_tensors_cpp`), one flatten on the source and one copy per other device,
+    unflattened into views; the first device gets the tensors themselves."""
     per_device = [[] for _ in range(k - 1)]
-    for chunk in _take_tensors(list(tensors), buffer_size):
+    types = set()
+    for chunk in _take_tensors_cpp(list(tensors), buffer_size):
+        types.add(_type_of(chunk[0]))
         flat = _flatten_dense_tensors(chunk)
         for j in range(k - 1):
             per_device[j].extend(_unflatten_dense_tensors(flat.clone(), chunk))
-    return [list(tensors)] + [_reorder_tensors_as(p, tensors) for p in per_device]
+    if len(types) > 1:  # (comm.cpp: "If we only saw a single tensor type ... skip reordering")
+        per_device = [_reorder_tensors_as(p, tensors) for p in per_device]
+    return [list(tensors)] + per_device
 
 
 class _TorchBroadcast(Function):

@@ -370,3 +370,34 @@ def test_baseline_replicate_gives_replicas_that_compute_as_the_module():
     for j, m in enumerate(replicas):
         assert torch.equal(m(x), net(x)), f"replica {j}"
         assert m[0].weight.requires_grad, f"replica {j}: weight detached from autograd"
+
+
+def test_baseline_broadcast_coalesced_buckets_as_torchs_cpp_take_tensors():
+    """torch's broadcast_coalesced is C++ (torch/csrc/cuda/comm.cpp), bucketed by
+    ``torch::utils::take_tensors``: a tensor joins its bucket, which is spilled once it
+    holds ``buffer_size`` bytes or more. Python's ``_take_tensors`` (reduce_add_coalesced's)
+    spills before the tensor that would cross the limit instead, and bucketed so, the
+    baseline left an LSTM's weight matrices alone in their buckets (flattened as views,
+    no copy) where torch copies them through ``cat``."""
+    from fastpar._baselines import _take_tensors_cpp, broadcast_coalesced
+
+    def positions(chunks, ts):
+        return [[next(i for i, x in enumerate(ts) if x is t) for t in c] for c in chunks]
+
+    # 12, 12, 4, 4, 12 bytes with a 16-byte limit: torch's C++ spills [a, b] (24 >= 16)
+    # and [c, d, e] (20 >= 16); Python's _take_tensors would give [a], [b, c], [d, e].
+    src = [torch.randn(n) for n in (3, 3, 1, 1, 3)]
+    assert positions(_take_tensors_cpp(src, 16), src) == [[0, 1], [2, 3, 4]]
+    a, b, c, d, e = broadcast_coalesced(src, 2, buffer_size=16)[1]
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    assert c.untyped_storage().data_ptr() == d.untyped_storage().data_ptr() == e.untyped_storage().data_ptr()
+    assert a.untyped_storage().data_ptr() != c.untyped_storage().data_ptr()
+    # A bucket is spilled at the limit exactly, and a lone tensor above it is a bucket.
+    big = [torch.randn(4), torch.randn(8), torch.randn(1)]
+    assert [len(c) for c in _take_tensors_cpp(big, 16)] == [1, 1, 1]
+    # Per type: float64 tensors fill their own bucket between float32 ones.
+    mixed = [torch.randn(2), torch.randn(1, dtype=torch.float64), torch.randn(2), torch.randn(1, dtype=torch.float64)]
+    assert positions(_take_tensors_cpp(mixed, 16), mixed) == [[0, 2], [1, 3]]
+    copies = broadcast_coalesced(mixed, 3, buffer_size=16)
+    for j in (1, 2):
+        assert all(torch.equal(x, y) and x.dtype == y.dtype for x, y in zip(copies[j], mixed)), f"device {j}"
