@@ -1,8 +1,9 @@
 """replicate and one DataParallel step on CPU replicas (issue #5 targets): fastpar vs
 torch's own algorithm replayed on CPU tensors (torch.nn.parallel refuses CPU devices):
-``_take_tensors`` buckets flattened by ``torch.cat`` into fresh buffers on every call,
-one copy per device, unflattened views; in backward, per-bucket flattens and pairwise
-adds. Steady state: warm-up calls first (``conftest.WARMUP_S``, at least two)."""
+buckets as torch's C++ broadcast_coalesced makes them (``torch::utils::take_tensors``;
+see ``fastpar._baselines``) flattened by ``torch.cat`` into fresh buffers on every call,
+one copy per device, unflattened views; in backward, ``_take_tensors`` buckets (torch's
+Python reduce_add_coalesced), per-bucket flattens and pairwise adds. Steady state: warm-up calls first (``conftest.WARMUP_S``, at least two)."""
 from __future__ import annotations
 
 import warnings
