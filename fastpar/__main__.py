@@ -209,6 +209,11 @@ def _autotune(args) -> int:
     except (_tuning.TuningFileError, ValueError) as e:
         print(f"autotune: {e}", file=sys.stderr)
         return 2
+    if not result:  # (all([]) is True: a run that tuned nothing exited 0 after a bare table header)
+        print("autotune: nothing was tuned: the search space has no backend for the devices tuned "
+              f"({', '.join(str(d) for d in devices or autotune.default_devices())}); nothing was written",
+              file=sys.stderr)
+        return 1
     autotune.print_summary(result)
     return 0 if all(r["path"] is not None for r in result.values()) else 1
 

@@ -61,7 +61,7 @@ def test_autotune_devices_picks_the_devices_tuned(monkeypatch, tmp_path):
 
     def tune(ops, *, devices, **kw):
         seen.append(devices)
-        return {}
+        return {"stub": {"path": "stub.json", "entries": {}, "error": None}}  # (one saved file)
 
     monkeypatch.setattr(autotune, "tune", tune)
     monkeypatch.setattr(autotune, "print_summary", lambda result: None)
@@ -250,7 +250,8 @@ def test_a_tilde_in_results_dir_is_the_home_folder(capsys, tmp_path, monkeypatch
     monkeypatch.chdir(cwd)
     seen = {}
     monkeypatch.setattr(fastpar.bench, "run", lambda *a, root=None, **k: seen.setdefault("root", root) and [])
-    monkeypatch.setattr(fastpar.autotune, "tune", lambda *a, root=None, **k: seen.setdefault("root", root) and {})
+    saved = {"stub": {"path": "stub.json", "entries": {}, "error": None}}  # (one saved file)
+    monkeypatch.setattr(fastpar.autotune, "tune", lambda *a, root=None, **k: seen.setdefault("root", root) and saved)
     assert main([command, "--results-dir=~/r", "--no-progress", "--quick"]) == 0
     assert seen["root"] == str(home / "r")
     if command == "bench":
@@ -334,3 +335,20 @@ def test_info_names_the_cpu_model(capsys, monkeypatch):
     out = capsys.readouterr().out
     line = next(ln for ln in out.splitlines() if ln.startswith("  cpu ") and "backend=" in ln)
     assert _tuning.device_info("cpu")["name"] in line, line
+
+
+def test_autotune_that_tunes_nothing_fails(capsys, tmp_path):
+    """A search space with no backend for the devices here (a Triton-only space on a
+    machine without CUDA) tuned nothing and exited 0 after a bare table header."""
+    import json
+    from pathlib import Path
+
+    space = json.loads(Path(_tuning.__file__).with_name("tuning_space.json").read_text())
+    for op in space["ops"].values():
+        op["backends"] = {k: v for k, v in op["backends"].items() if k == "triton"}
+    path = tmp_path / "space.json"
+    path.write_text(json.dumps(space))
+    assert main(["autotune", "--devices", "cpu", "--space", str(path), "--results-dir", str(tmp_path / "r"),
+                 "--no-progress", "--quick"]) == 1
+    assert "nothing was tuned" in capsys.readouterr().err
+    assert not (tmp_path / "r" / "autotune").exists() or not any((tmp_path / "r" / "autotune").iterdir())
