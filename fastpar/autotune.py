@@ -643,7 +643,8 @@ def tune(ops=None, *, quick: bool = False, space=None, devices=None, root=None, 
                         space=_space_subset(space_doc, jobs), run=run, root=root)
         except (OSError, TimeoutError) as e:
             error = (f"cannot write the tuned results to {_tuning.autotune_path(info['slug'], root)} "
-                     f"({type(e).__name__}: {e}); nothing was saved. Set FASTPAR_RESULTS_DIR to a writable folder.")
+                     f"({type(e).__name__}: {e}); nothing was saved. Give a writable folder (--results-dir, "
+                     "tune(root=...) or FASTPAR_RESULTS_DIR).")
             warnings.warn(f"fastpar autotune: {error}", TuningWarning, stacklevel=2)
         out[info["slug"]] = {"path": path, "entries": entries, "error": error}
     _tuning.reload()  # this process picks the new winners up on its next launch
