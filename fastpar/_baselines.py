@@ -49,7 +49,7 @@ def _take_tensors_cpp(tensors, size_limit: int):
     tensor that would cross the limit, so a bucket there never exceeds it: for
     ``nn.LSTM(1024, 1024, 4, bidirectional=True)`` it leaves every weight matrix alone in
     its bucket (flattened as a view, no copy) where torch's broadcast copies 208 of the
-    352 MB through ``cat`` into buckets of [bias, bias, weight]."""
+    352 MiB through ``cat`` into buckets of [bias, bias, weight]."""
     groups: dict = {}
     for t in tensors:
         key = _type_of(t)
