@@ -72,7 +72,8 @@ class DataParallel(torch.nn.DataParallel[T]):
     replica, the first included, hands cuDNN a ready buffer (of RNNs sharing a
     Parameter, the first: a Parameter sits in one buffer). Host replicas leave the
     module's weights as they are (there is no cuDNN to feed, and repacking would break a
-    graph built through them before).
+    graph built through them before), and so do CUDA RNNs whose layout is not cuDNN's
+    (bf16, cuDNN disabled: where torch's ``flatten_parameters()`` leaves them too).
 
     Same constructor, checks, warnings and forward flow as torch's, with the forward in
     four overridable steps: :meth:`scatter`, :meth:`replicate`, :meth:`parallel_apply`,
@@ -180,9 +181,22 @@ class DataParallel(torch.nn.DataParallel[T]):
 _FLATTEN_LOCK = fork_safe_lock()
 
 
-def _on_cuda(m) -> bool:
+def _feeds_cudnn(m) -> bool:
+    """Whether packing ``m``'s own weights hands cuDNN a buffer it takes as is: they are on
+    CUDA and their layout is cuDNN's (``RNNLayout.source == "cudnn"``, where torch's
+    ``flatten_parameters()`` places them). Not where that layout is the dense one: bf16
+    (``torch.backends.cudnn.CUDNN_TENSOR_DTYPES`` lacks it), cuDNN disabled, ROCm. There
+    torch's ``flatten_parameters()`` leaves the weights alone, and packing them would only
+    rebind the live weights (breaking a graph built through them before, as on the CPU)
+    for a buffer no kernel asks for. Nor an RNN that cannot be packed (a parametrized
+    weight, mixed dtypes or devices)."""
     w = next(iter(m._flat_weights), None)
-    return w is not None and w.device.type == "cuda"
+    if not isinstance(w, torch.Tensor) or w.device.type != "cuda":
+        return False
+    try:
+        return rnn.RNNLayout.for_module(m).source == "cudnn"
+    except (TypeError, ValueError):
+        return False
 
 
 def _flatten_rnns(module) -> None:
@@ -198,10 +212,11 @@ def _flatten_rnns(module) -> None:
 
     Not on the CPU, where there is no cuDNN to feed: repacking rebinds the live weights
     (``set_``), which breaks a graph built through the module before, as torch's CPU
-    modules are never repacked."""
+    modules are never repacked. Nor on CUDA where the layout is not cuDNN's (bf16, cuDNN
+    disabled, ROCm: :func:`_feeds_cudnn`), for the same reason."""
     rnns, claimed = [], set()
     for m in module.modules():
-        if isinstance(m, torch.nn.RNNBase) and _on_cuda(m):
+        if isinstance(m, torch.nn.RNNBase) and _feeds_cudnn(m):
             # (From _parameters, as replicate reads them: getattr would run a
             # parametrization, e.g. spectral_norm's power iteration, in place.)
             weights = {id(w) for w in map(m._parameters.get, m._flat_weights_names) if w is not None}

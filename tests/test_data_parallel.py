@@ -754,7 +754,7 @@ def test_minus_one_output_device_warning_points_at_the_caller(api):
 
 def test_module_rnns_sharing_a_parameter_pack_the_first_only(monkeypatch):
     """DataParallel packs the module's own RNNs on CUDA (``_flatten_rnns``; its choice of
-    RNNs is plain Python, run here on CPU modules with the CUDA test answered yes). Two
+    RNNs is plain Python, run here on CPU modules with the cuDNN test answered yes). Two
     LSTMs sharing a Parameter: packing both moved it out of the first's buffer, so the
     first was repacked, and the second after it, on every forward (two launches each,
     one RNN never flat). Now the first is packed once and the second left as it is."""
@@ -770,7 +770,7 @@ def test_module_rnns_sharing_a_parameter_pack_the_first_only(monkeypatch):
     torch.manual_seed(0)
     m = Two()
     before = {n: p.detach().clone() for n, p in m.named_parameters()}
-    monkeypatch.setattr(dp, "_on_cuda", lambda module: True)
+    monkeypatch.setattr(dp, "_feeds_cudnn", lambda module: True)
     with fastpar.count_launches() as first:
         dp._flatten_rnns(m)
     with fastpar.count_launches() as second:
@@ -780,6 +780,33 @@ def test_module_rnns_sharing_a_parameter_pack_the_first_only(monkeypatch):
     assert m.b.weight_ih_l0 is m.a.weight_ih_l0
     for n, p in m.named_parameters():
         assert torch.equal(p, before[n]), n
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.filterwarnings("ignore:RNN module weights are not part of single contiguous chunk")
+@pytest.mark.parametrize("case", ["bf16", "cudnn-disabled"])
+def test_cuda_rnn_whose_layout_is_not_cudnns_is_left_alone(case):
+    """Where torch's ``flatten_parameters()`` does not place the weights (bf16, outside
+    ``CUDNN_TENSOR_DTYPES``; cuDNN disabled) fastpar's layout is the dense one, which no
+    kernel asks for: DataParallel's ``_flatten_rnns`` (the start of a multi-device
+    forward) packed the module's live weights into it anyway, rebinding them, so a graph
+    built through them before could not be backpropagated (found by reading)."""
+    dp = sys.modules["fastpar.data_parallel"]
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if case == "bf16" else torch.float32
+    m = nn.LSTM(4, 8, num_layers=2).to("cuda", dtype)
+    for w in m._flat_weights:  # out of any buffer torch placed them in: flat in no layout
+        w.data = w.data.clone()
+    off = torch.backends.cudnn.flags(enabled=case != "cudnn-disabled")
+    x = torch.randn(5, 3, 4, device="cuda", dtype=dtype)
+    with off:
+        assert rnn.RNNLayout.for_module(m).source == "dense"
+        before = [w.data_ptr() for w in m._flat_weights]
+        y = m(x)[0].float().sum()  # saves the weights for backward
+        dp._flatten_rnns(m)
+        assert [w.data_ptr() for w in m._flat_weights] == before, "the module's weights were rebound"
+        y.backward()
+    assert all(p.grad is not None for p in m.parameters())
 
 
 def test_lazy_module_before_first_forward_is_refused_then_runs():
