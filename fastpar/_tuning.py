@@ -80,6 +80,12 @@ class TuningFileError(ValueError):
     field, what it held and what was expected)."""
 
 
+class TuningVersionError(TuningFileError):
+    """A tuned-results file was tuned with other versions than the running ones (a file
+    of another version, not a broken one: set aside as ``.prev``, reported as
+    ``foreign version``)."""
+
+
 # --------------------------------------------------------------------------- places
 
 
@@ -435,7 +441,7 @@ def validate_results(doc, *, slug: str | None = None, current_versions: dict | N
         _expect(dev["slug"] == slug, "device.slug", dev["slug"], f"{slug!r} (this device)")
     if current_versions is not None and vers != current_versions:
         diff = ", ".join(f"{k} {vers.get(k)} (running {v})" for k, v in current_versions.items() if vers.get(k) != v)
-        raise TuningFileError(f"versions: tuned with {diff}")
+        raise TuningVersionError(f"versions: tuned with {diff}")
     bounds = doc.get("size_buckets")
     check_bounds(bounds, "size_buckets")
     space = doc.get("space")
@@ -576,7 +582,7 @@ def _load(slug: str, path: Path, device_type: str) -> _Table | None:
             try:
                 validate_results(doc, slug=slug, current_versions=versions(device_type))
             except TuningFileError as e:
-                kind = "foreign version" if str(e).startswith("versions:") else "invalid"
+                kind = "foreign version" if isinstance(e, TuningVersionError) else "invalid"
                 problem = (kind, f"ignoring {path}: {e}")
     if problem is not None:
         state, msg = problem

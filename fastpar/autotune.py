@@ -761,7 +761,7 @@ def save(entries: dict, *, device: dict, bounds: list, space: dict, run: dict, r
                 # it may not meet: it would have been called invalid, .rejected).
                 _tuning.validate_results(old, slug=device["slug"], current_versions=current)
             except ValueError as e:  # UnicodeDecodeError and TuningFileError among them
-                if isinstance(e, _tuning.TuningFileError) and str(e).startswith("versions:"):
+                if isinstance(e, _tuning.TuningVersionError):
                     aside, old = (".prev", text), None
                     log.info("fastpar autotune: %s was tuned with other versions; keeping it as %s.prev",
                              path, path.name)
@@ -772,8 +772,8 @@ def save(entries: dict, *, device: dict, bounds: list, space: dict, run: dict, r
             else:
                 if old["size_buckets"] != bounds:
                     aside, old = (".prev", text), None
-                    log.info("fastpar autotune: %s was tuned with other versions or size buckets; keeping it "
-                             "as %s.prev", path, path.name)
+                    log.info("fastpar autotune: %s was tuned with other size buckets; keeping it as %s.prev",
+                             path, path.name)
         merged_space = {op: dict(b) for op, b in (old or {}).get("space", {}).items()}
         for op, bks in space.items():
             merged_space.setdefault(op, {}).update(bks)
