@@ -110,15 +110,12 @@ def parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
                     output = module(*_as_tuple(input), **kwargs)
             with lock:
                 results[i] = output
-        except Exception:
-            with lock:
-                results[i] = ExceptionWrapper(where=_where(i, device))
-        except BaseException:
-            # (SystemExit, KeyboardInterrupt raised by a replica.) In the caller's own
-            # thread it propagates as it is; in a replica's thread it would end only that
-            # thread, quietly (SystemExit prints nothing), and the caller met a bare
-            # KeyError for the missing result (as torch's does): re-raised here instead.
-            if not threaded:
+        except BaseException as e:
+            # A SystemExit or KeyboardInterrupt raised by a replica propagates as it is in
+            # the caller's own thread; in a replica's thread it would end only that thread,
+            # quietly (SystemExit prints nothing), and the caller met a bare KeyError for
+            # the missing result (as torch's does): wrapped and re-raised here instead.
+            if not (threaded or isinstance(e, Exception)):
                 raise
             with lock:
                 results[i] = ExceptionWrapper(where=_where(i, device))
